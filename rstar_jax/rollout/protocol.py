@@ -1,0 +1,90 @@
+"""The contract between the rollout loop and whatever generates tokens.
+
+Token in, token out: a generator receives the full context as token ids and returns only the new
+ids, their sampler log-probs and why it stopped. The conversation is never re-tokenized. Both the
+in-process `JaxEngine` and the SGLang HTTP client implement `Generator`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, Sequence, runtime_checkable
+
+# SGLang's finish reasons (meta_info.finish_reason.type), plus "abort" for a cancelled request.
+FINISH_STOP = "stop"  # an EOS / stop token id was sampled (the token is included in the output)
+FINISH_LENGTH = "length"  # max_new_tokens or the context limit was reached
+FINISH_ABORT = "abort"  # aborted by the client, a weight update or a server shutdown
+FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings; every field is always sent to SGLang (its defaults come from the model)."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: the whole vocabulary
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"SamplingParams.top_k must be -1 or >= 1, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        # SGLang treats temperature in [0, 1e-6) as greedy.
+        return self.temperature < 1e-6 or self.top_k == 1
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerateResult:
+    """What one generate call produced: new token ids only, aligned with their log-probs."""
+
+    token_ids: list[int]
+    logprobs: list[float]  # log p(token | context) under the sampling distribution's model logits
+    finish_reason: str  # one of FINISH_REASONS
+    weight_version: int = 0  # policy version that produced the tokens (the last one, if it changed)
+
+    def __post_init__(self):
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(
+                f"GenerateResult: {len(self.token_ids)} token ids but {len(self.logprobs)} log-probs"
+            )
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"GenerateResult.finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Capacity:
+    """KV-cache capacity of one generator, in tokens."""
+
+    total_tokens: int  # SGLang's max_total_num_tokens
+    used_tokens: int = 0
+    running_requests: int = 0
+    queued_requests: int = 0
+
+
+@runtime_checkable
+class Generator(Protocol):
+    """An engine the rollout loop can drive: the in-process JaxEngine or an SGLang server."""
+
+    name: str
+
+    async def generate(
+        self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None
+    ) -> GenerateResult: ...
+
+    async def capacity(self) -> Capacity: ...
+
+    async def abort(self, rid: str) -> None: ...
+
+    @property
+    def version(self) -> int: ...
