@@ -8,7 +8,7 @@ in-process `JaxEngine` and the SGLang HTTP client implement `Generator`.
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence, runtime_checkable
+from typing import AsyncContextManager, Protocol, Sequence, runtime_checkable
 
 # SGLang's finish reasons (meta_info.finish_reason.type), plus "abort" for a cancelled request.
 FINISH_STOP = "stop"  # an EOS / stop token id was sampled (the token is included in the output)
@@ -88,3 +88,16 @@ class Generator(Protocol):
 
     @property
     def version(self) -> int: ...
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """Places trajectories on generators.
+
+    A trajectory holds one lease for its whole life: every turn goes to the same generator (its
+    prefix cache stays warm) and `reserve_tokens` (prompt + the whole response budget: the worst-case
+    KV footprint) stays reserved there until the lease is released. `lease` waits while no generator
+    has room.
+    """
+
+    def lease(self, trajectory_id: str, reserve_tokens: int) -> AsyncContextManager[Generator]: ...
