@@ -1,0 +1,452 @@
+"""Qwen3 dense decoder in Flax NNX.
+
+Layer parameters are stacked along a leading ``layers`` axis and the decoder runs as one
+``jax.lax.scan``: a 40-layer 14B model compiles as fast as a 2-layer one, and per-layer remat is a
+policy on the scanned body. Every parameter carries logical axis names (metadata ``logical_axes``)
+that `rstar_jax.parallel` maps to mesh axes through a rules table.
+
+Numerics follow Hugging Face ``Qwen3ForCausalLM``: RMSNorm in fp32 with weight applied after the
+cast back, per-head q/k RMSNorm before RoPE, half-split ("rotate_half") RoPE, grouped-query
+attention, SwiGLU MLP, no biases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+# Remat policies for the scanned decoder layer. "none" keeps every activation; "full" saves only the
+# layer input (recomputes the whole layer in the backward pass); the others save matmul outputs.
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+ATTENTION_IMPLS = ("xla", "cudnn")
+
+
+def _dtype(name: str):
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 40960
+    param_dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype
+    remat_policy: str = "none"
+    attention_impl: str = "xla"
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"Qwen3Config.{name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"Qwen3Config.num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"Qwen3Config.head_dim must be even for RoPE, got {self.head_dim}")
+        if not self.rope_theta > 0:
+            raise ValueError(f"Qwen3Config.rope_theta must be > 0, got {self.rope_theta}")
+        if not 0 < self.rms_norm_eps < 1:
+            raise ValueError(f"Qwen3Config.rms_norm_eps must be in (0, 1), got {self.rms_norm_eps}")
+        for name in ("param_dtype", "dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(f"Qwen3Config.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(f"Qwen3Config.remat_policy must be one of {sorted(REMAT_POLICIES)}, got {self.remat_policy!r}")
+        if self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"Qwen3Config.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+
+    # -- presets: values of the Hugging Face config.json files of the Qwen3 releases ------------
+    @classmethod
+    def qwen3_0p6b(cls, **kw) -> "Qwen3Config":
+        return cls(**{**dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+                             num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True), **kw})
+
+    @classmethod
+    def qwen3_1p7b(cls, **kw) -> "Qwen3Config":
+        return cls(**{**dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=28,
+                             num_heads=16, num_kv_heads=8, head_dim=128, tie_word_embeddings=True), **kw})
+
+    @classmethod
+    def qwen3_4b(cls, **kw) -> "Qwen3Config":
+        return cls(**{**dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_layers=36,
+                             num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=True), **kw})
+
+    @classmethod
+    def qwen3_8b(cls, **kw) -> "Qwen3Config":
+        return cls(**{**dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+                             num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=False), **kw})
+
+    @classmethod
+    def qwen3_14b(cls, **kw) -> "Qwen3Config":
+        return cls(**{**dict(vocab_size=151936, hidden_size=5120, intermediate_size=17408, num_layers=40,
+                             num_heads=40, num_kv_heads=8, head_dim=128, tie_word_embeddings=False), **kw})
+
+    @classmethod
+    def tiny(cls, **kw) -> "Qwen3Config":
+        """Test-sized shapes (GQA ratio 2, untied head); keep them shared so compilations are reused."""
+        return cls(**{**dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2,
+                             num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10_000.0,
+                             max_position_embeddings=2048), **kw})
+
+    @classmethod
+    def preset(cls, name: str, **kw) -> "Qwen3Config":
+        presets = {
+            "qwen3-0.6b": cls.qwen3_0p6b, "qwen3-1.7b": cls.qwen3_1p7b, "qwen3-4b": cls.qwen3_4b,
+            "qwen3-8b": cls.qwen3_8b, "qwen3-14b": cls.qwen3_14b, "tiny": cls.tiny,
+        }
+        key = name.lower()
+        if key not in presets:
+            raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(presets)}")
+        return presets[key](**kw)
+
+    # -- Hugging Face config.json ----------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, d: dict, **overrides) -> "Qwen3Config":
+        archs = d.get("architectures") or []
+        model_type = d.get("model_type")
+        if model_type != "qwen3" or (archs and "Qwen3ForCausalLM" not in archs):
+            raise ValueError(
+                f"config.json describes model_type={model_type!r}, architectures={archs!r}; "
+                "only Qwen3ForCausalLM (model_type 'qwen3') is supported"
+            )
+        # transformers 5 keeps RoPE settings under rope_parameters; 4.x has a top-level rope_theta.
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in (None, "default"):
+            raise ValueError(f"config.json rope_type {rope_type!r} is not supported (only 'default')")
+        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10_000.0))
+        if d.get("attention_bias", False):
+            raise ValueError("config.json attention_bias=true is not supported by Qwen3 (no biases)")
+        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+            if key not in d:
+                raise ValueError(f"config.json is missing the field {key!r}")
+        num_heads = d["num_attention_heads"]
+        kw = dict(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=d.get("num_key_value_heads", num_heads),
+            head_dim=d.get("head_dim", d["hidden_size"] // num_heads),
+            rope_theta=float(rope_theta),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            max_position_embeddings=d.get("max_position_embeddings", 40960),
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    def to_hf_dict(self, torch_dtype: str | None = None) -> dict:
+        dtype = torch_dtype or self.param_dtype
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": self.max_position_embeddings,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_parameters": {"rope_theta": self.rope_theta, "rope_type": "default"},
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": False,
+            "attention_dropout": 0.0,
+            "use_cache": True,
+            "dtype": dtype,
+            "torch_dtype": dtype,
+        }
+
+    @property
+    def num_params(self) -> int:
+        d, f, h, k, hd, v, n = (self.hidden_size, self.intermediate_size, self.num_heads, self.num_kv_heads,
+                                self.head_dim, self.vocab_size, self.num_layers)
+        per_layer = 2 * d + d * h * hd + 2 * d * k * hd + h * hd * d + 2 * hd + 3 * d * f
+        return v * d + n * per_layer + d + (0 if self.tie_word_embeddings else d * v)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class KVCache:
+    """Preallocated per-row key/value cache indexed by absolute position: [layers, batch, length, kv_heads, head_dim]."""
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def max_length(self) -> int:
+        return self.k.shape[2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure building blocks (shared by the full forward and the cached forward).
+# ---------------------------------------------------------------------------------------------
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    dtype = x.dtype
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return weight.astype(dtype) * x32.astype(dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+    """Half-split rotary embedding of x [B, T, heads, head_dim] at integer positions [B, T]."""
+    head_dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def xla_attention(q, k, v, mask):
+    """Grouped-query attention without repeating K/V: q [B,T,H,hd], k/v [B,S,Hkv,hd], mask [B,T,S]."""
+    b, t, h, hd = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, t, kv_heads, h // kv_heads, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) / np.sqrt(hd)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(b, t, h, hd)
+
+
+def cudnn_attention(q, k, v, segment_ids):
+    """cuDNN fused attention through the public API; the score matrix is never materialised.
+
+    Rows holding one sequence (segment ids 1...1 0...0, the padded layout) use causal masking plus
+    per-row lengths. Packed rows need a segment mask, which the public API only takes as an explicit
+    [B, 1, T, T] boolean mask: still no score matrix, but quadratic in bytes.
+    """
+    if segment_ids is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    lengths = jnp.sum(segment_ids > 0, axis=-1).astype(jnp.int32)
+    packed = jnp.max(segment_ids, axis=-1) > 1
+    single = jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, query_seq_lengths=lengths, key_value_seq_lengths=lengths,
+        implementation="cudnn")
+
+    def with_mask():
+        same = segment_ids[:, :, None] == segment_ids[:, None, :]
+        t = segment_ids.shape[1]
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        return jax.nn.dot_product_attention(q, k, v, mask=(same & causal)[:, None], implementation="cudnn")
+
+    return jax.lax.cond(jnp.any(packed), with_mask, lambda: single)
+
+
+class Qwen3(nnx.Module):
+    """Qwen3 causal LM. ``model(ids, positions, segment_ids) -> logits [B, T, V]`` (fp32)."""
+
+    def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs):
+        self.config = config
+        c = config
+        pdt = _dtype(c.param_dtype)
+        L, D, F, H, K, HD, V = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads,
+                                c.num_kv_heads, c.head_dim, c.vocab_size)
+        normal = jax.nn.initializers.normal(0.02)
+
+        def param(shape, axes, init=normal):
+            return nnx.Param(init(rngs.params(), shape, pdt), logical_axes=axes)
+
+        ones = lambda key, shape, dtype: jnp.ones(shape, dtype)  # noqa: E731
+        self.embed = param((V, D), ("vocab", "embed"))
+        self.input_norm = param((L, D), ("layers", "norm"), ones)
+        self.q_proj = param((L, D, H, HD), ("layers", "embed", "heads", "head_dim"))
+        self.k_proj = param((L, D, K, HD), ("layers", "embed", "kv_heads", "head_dim"))
+        self.v_proj = param((L, D, K, HD), ("layers", "embed", "kv_heads", "head_dim"))
+        self.o_proj = param((L, H, HD, D), ("layers", "heads", "head_dim", "embed"))
+        self.q_norm = param((L, HD), ("layers", "norm"), ones)
+        self.k_norm = param((L, HD), ("layers", "norm"), ones)
+        self.post_attn_norm = param((L, D), ("layers", "norm"), ones)
+        self.gate_proj = param((L, D, F), ("layers", "embed", "mlp"))
+        self.up_proj = param((L, D, F), ("layers", "embed", "mlp"))
+        self.down_proj = param((L, F, D), ("layers", "mlp", "embed"))
+        self.final_norm = param((D,), ("norm",), ones)
+        if not c.tie_word_embeddings:
+            self.lm_head = param((D, V), ("embed", "vocab"))
+        # Optional activation sharding constraints as hashable ((kind, sharding), ...) pairs, set by
+        # rstar_jax.parallel; static graph metadata, not state.
+        self.activation_shardings: tuple[tuple[str, Any], ...] = ()
+
+    LAYER_PARAMS = ("input_norm", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm",
+                    "post_attn_norm", "gate_proj", "up_proj", "down_proj")
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _layer_params(self) -> dict[str, jax.Array]:
+        return {name: getattr(self, name)[...] for name in self.LAYER_PARAMS}
+
+    def _constrain(self, x: jax.Array, kind: str) -> jax.Array:
+        for name, sharding in self.activation_shardings:
+            if name == kind:
+                return jax.lax.with_sharding_constraint(x, sharding)
+        return x
+
+    def unembedding(self) -> jax.Array:
+        """[D, V] output projection (the transposed embedding when tied)."""
+        if self.config.tie_word_embeddings:
+            return self.embed[...].T
+        return self.lm_head[...]
+
+    def _embed(self, input_ids):
+        dt = _dtype(self.config.dtype)
+        h = jnp.take(self.embed[...], input_ids, axis=0).astype(dt)
+        return self._constrain(h, "act_btd")
+
+    def _qkv(self, p, x, positions):
+        c = self.config
+        dt = x.dtype
+        q = jnp.einsum("btd,dhk->bthk", x, p["q_proj"].astype(dt))
+        k = jnp.einsum("btd,dhk->bthk", x, p["k_proj"].astype(dt))
+        v = jnp.einsum("btd,dhk->bthk", x, p["v_proj"].astype(dt))
+        q = rope(rms_norm(q, p["q_norm"], c.rms_norm_eps), positions, c.rope_theta)
+        k = rope(rms_norm(k, p["k_norm"], c.rms_norm_eps), positions, c.rope_theta)
+        return self._constrain(q, "act_bthd"), k, v
+
+    def _finish_layer(self, p, h, attn):
+        c = self.config
+        dt = h.dtype
+        h = h + jnp.einsum("bthk,hkd->btd", attn, p["o_proj"].astype(dt))
+        h = self._constrain(h, "act_btd")
+        x = rms_norm(h, p["post_attn_norm"], c.rms_norm_eps)
+        gate = jnp.einsum("btd,df->btf", x, p["gate_proj"].astype(dt))
+        up = jnp.einsum("btd,df->btf", x, p["up_proj"].astype(dt))
+        mlp = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down_proj"].astype(dt))
+        return self._constrain(h + mlp, "act_btd")
+
+    # -- full forward ---------------------------------------------------------------------------
+    def hidden_states(self, input_ids, positions=None, segment_ids=None) -> jax.Array:
+        """Final-norm hidden states [B, T, D] in the compute dtype."""
+        c = self.config
+        b, t = input_ids.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        h = self._embed(input_ids)
+        if c.attention_impl == "xla":
+            mask = positions[:, :, None] >= positions[:, None, :]
+            if segment_ids is not None:
+                mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
+
+        def layer(h, p):
+            x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
+            q, k, v = self._qkv(p, x, positions)
+            if c.attention_impl == "xla":
+                attn = xla_attention(q, k, v, mask)
+            else:
+                attn = cudnn_attention(q, k, v, segment_ids)
+            return self._finish_layer(p, h, attn), None
+
+        policy = REMAT_POLICIES[c.remat_policy]
+        if c.remat_policy != "none":
+            layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
+        h, _ = jax.lax.scan(layer, h, self._layer_params())
+        return rms_norm(h, self.final_norm[...], c.rms_norm_eps)
+
+    def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
+        w = self.unembedding()
+        return jnp.einsum("btd,dv->btv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+    def __call__(self, input_ids, positions=None, segment_ids=None) -> jax.Array:
+        return self.logits_from_hidden(self.hidden_states(input_ids, positions, segment_ids))
+
+    # -- KV-cache forward (prefill and decode) -------------------------------------------------
+    def init_cache(self, batch_size: int, max_length: int, dtype: str | None = None) -> KVCache:
+        c = self.config
+        dt = _dtype(dtype or c.dtype)
+        shape = (c.num_layers, batch_size, max_length, c.num_kv_heads, c.head_dim)
+        return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
+
+    def forward_with_cache(self, input_ids, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
+        """Writes the new tokens' K/V at their absolute positions, attends to cache[<= position].
+
+        input_ids, positions: [B, T]. Positions may differ per row (continuous batching); positions
+        at or beyond the cache length are dropped (their outputs are meaningless).
+        """
+        c = self.config
+        b, t = input_ids.shape
+        s = cache.max_length
+        h = self._embed(input_ids)
+        rows = jnp.arange(b)[:, None]
+        mask = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+
+        def layer(h, xs):
+            p, k_cache, v_cache = xs
+            x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
+            q, k, v = self._qkv(p, x, positions)
+            k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+            v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+            attn = xla_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
+            return self._finish_layer(p, h, attn), (k_cache, v_cache)
+
+        h, (k_new, v_new) = jax.lax.scan(layer, h, (self._layer_params(), cache.k, cache.v))
+        h = rms_norm(h, self.final_norm[...], c.rms_norm_eps)
+        return self.logits_from_hidden(h), KVCache(k=k_new, v=v_new)
+
+
+def param_logical_axes(model: Qwen3) -> dict[str, tuple[str, ...]]:
+    """Logical axis names of every parameter, by attribute name."""
+    out = {}
+    for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        out[".".join(str(p) for p in path)] = tuple(var.get_metadata()["logical_axes"])
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _abstract(config: Qwen3Config):
+    return nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0)))
+
+
+def abstract_model(config: Qwen3Config) -> Qwen3:
+    """Shape-only model (no memory): for shardings, memory plans and loaders."""
+    return _abstract(config)
+
+
+def sequence_positions(segment_ids: jax.Array) -> jax.Array:
+    """Positions restarting at 0 at every segment of packed rows [B, T] (padding gets 0)."""
+    seg = jnp.asarray(segment_ids)
+    idx = jnp.arange(seg.shape[-1])
+    starts = jnp.concatenate([jnp.ones_like(seg[..., :1], bool), seg[..., 1:] != seg[..., :-1]], axis=-1)
+    start_idx = jax.lax.cummax(jnp.where(starts, idx, 0), axis=seg.ndim - 1)
+    return jnp.where(seg > 0, idx - start_idx, 0).astype(jnp.int32)
+
+
+__all__: Sequence[str] = (
+    "Qwen3Config", "Qwen3", "KVCache", "abstract_model", "param_logical_axes", "sequence_positions",
+    "REMAT_POLICIES", "ATTENTION_IMPLS",
+)
