@@ -315,7 +315,15 @@ class Qwen3(nnx.Module):
     def _constrain(self, x: jax.Array, kind: str) -> jax.Array:
         for name, sharding in self.activation_shardings:
             if name == kind:
-                return jax.lax.with_sharding_constraint(x, sharding)
+                # Leave a dimension unconstrained when its size does not divide over its mesh axes
+                # (e.g. a batch of 4 on an 8-way fsdp axis) rather than failing to compile.
+                spec = []
+                for size, axes in zip(x.shape, tuple(sharding.spec) + (None,) * x.ndim):
+                    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+                    ways = int(np.prod([sharding.mesh.shape[a] for a in names])) if names else 1
+                    spec.append(axes if size % ways == 0 else None)
+                spec = jax.sharding.PartitionSpec(*spec)
+                return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(sharding.mesh, spec))
         return x
 
     def unembedding(self) -> jax.Array:

@@ -1,0 +1,164 @@
+"""Hugging Face parity, export and round trips, and checkpoint validation errors."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from rstar_jax.model.hf import CheckpointError, load_pretrained, save_pretrained, write_safetensors  # noqa: E402
+from rstar_jax.model.qwen3 import Qwen3Config  # noqa: E402
+
+TINY = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=2048, rms_norm_eps=1e-6)
+
+
+def _hf_model(tied: bool, rope_theta: float, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = transformers.Qwen3Config(**TINY, tie_word_embeddings=tied, rope_parameters={"rope_type": "default", "rope_theta": rope_theta})
+    model = transformers.Qwen3ForCausalLM(cfg).eval()
+    # Random norm weights too, so a swapped or dropped norm cannot hide behind all-ones.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.1 * torch.randn_like(p))
+    return model
+
+
+def _hf_logits(model, ids: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.as_tensor(ids)).logits.float().numpy()
+
+
+def _our_logits(model, ids: np.ndarray) -> np.ndarray:
+    with jax.default_matmul_precision("highest"):
+        return np.asarray(model(jnp.asarray(ids)))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return np.random.default_rng(0).integers(0, TINY["vocab_size"], size=(2, 24))
+
+
+@pytest.mark.parametrize("tied,rope_theta", [(True, 10_000.0), (False, 500_000.0)])
+def test_load_matches_transformers_and_export_round_trips(tmp_path, tokens, tied, rope_theta):
+    hf = _hf_model(tied, rope_theta)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_pretrained(tmp_path / "hf")
+    assert ours.config.tie_word_embeddings == tied and ours.config.rope_theta == rope_theta
+    ref = _hf_logits(hf, tokens)
+    np.testing.assert_allclose(_our_logits(ours, tokens), ref, atol=1e-4, rtol=1e-4)
+
+    # Export, reload with transformers: identical logits.
+    save_pretrained(ours, tmp_path / "export")
+    reloaded = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "export").eval()
+    np.testing.assert_array_equal(_hf_logits(reloaded, tokens), ref)
+
+    # Our own load -> export -> load is bitwise.
+    again = load_pretrained(tmp_path / "export")
+    for name in ("embed", "q_proj", "o_proj", "down_proj", "final_norm", "q_norm"):
+        np.testing.assert_array_equal(np.asarray(getattr(again, name)[...]), np.asarray(getattr(ours, name)[...]))
+
+
+def test_sharded_export_with_index_and_bf16(tmp_path, tokens):
+    hf = _hf_model(False, 1_000_000.0, seed=1)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_pretrained(tmp_path / "hf")
+    save_pretrained(ours, tmp_path / "sharded", max_shard_bytes=60_000)
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 2
+    again = load_pretrained(tmp_path / "sharded")
+    np.testing.assert_array_equal(np.asarray(again.k_proj[...]), np.asarray(ours.k_proj[...]))
+
+    # bf16 export is what transformers reads back as bf16.
+    save_pretrained(ours, tmp_path / "bf16", dtype="bfloat16")
+    hf_bf16 = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    assert hf_bf16.model.embed_tokens.weight.dtype == torch.bfloat16
+    ours_bf16 = load_pretrained(tmp_path / "bf16", param_dtype="bfloat16")
+    np.testing.assert_array_equal(
+        np.asarray(ours_bf16.embed[...]).astype(np.float32),
+        hf_bf16.model.embed_tokens.weight.detach().float().numpy(),
+    )
+
+
+def test_loader_accepts_transformers4_config_form(tmp_path):
+    hf = _hf_model(True, 10_000.0)
+    hf.save_pretrained(tmp_path / "hf")
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg.pop("rope_parameters", None)
+    cfg["rope_theta"] = 12_345.0
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    assert load_pretrained(tmp_path / "hf").config.rope_theta == 12_345.0
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+@pytest.fixture
+def saved(tmp_path):
+    hf = _hf_model(False, 10_000.0)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_pretrained(tmp_path / "hf")
+    save_pretrained(ours, tmp_path / "ok")
+    return tmp_path / "ok", ours
+
+
+def _rewrite(path, mutate):
+    from rstar_jax.model.hf import SafetensorsReader
+
+    reader = SafetensorsReader([path / "model.safetensors"])
+    tensors = {k: np.array(reader.get(k)) for k in reader.keys()}
+    mutate(tensors)
+    del reader
+    write_safetensors(path / "model.safetensors", tensors)
+
+
+def test_missing_tensor_is_named(saved):
+    path, _ = saved
+    _rewrite(path, lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'model\.layers\.1\.self_attn\.k_proj\.weight'"):
+        load_pretrained(path)
+
+
+def test_wrong_shape_is_named(saved):
+    path, _ = saved
+
+    def mutate(t):
+        t["model.layers.0.mlp.up_proj.weight"] = np.zeros((100, 64), np.float32)
+
+    _rewrite(path, mutate)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(100, 64\)"):
+        load_pretrained(path)
+
+
+def test_unexpected_tensor_is_named(saved):
+    path, _ = saved
+    _rewrite(path, lambda t: t.__setitem__("model.layers.0.self_attn.q_proj.bias", np.zeros(64, np.float32)))
+    with pytest.raises(CheckpointError, match="unexpected tensors.*q_proj.bias"):
+        load_pretrained(path)
+
+
+def test_unknown_architecture_and_bad_field(saved):
+    path, _ = saved
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}))
+    with pytest.raises(ValueError, match="only Qwen3ForCausalLM"):
+        load_pretrained(path)
+    (path / "config.json").write_text(json.dumps({**cfg, "num_key_value_heads": 3}))
+    with pytest.raises(ValueError, match="num_heads .*multiple of num_kv_heads"):
+        load_pretrained(path)
+    (path / "config.json").write_text(json.dumps({**cfg, "hidden_size": -4}))
+    with pytest.raises(ValueError, match="Qwen3Config.hidden_size must be a positive integer"):
+        load_pretrained(path)
+
+
+def test_config_field_validation():
+    with pytest.raises(ValueError, match="Qwen3Config.remat_policy"):
+        Qwen3Config.tiny(remat_policy="sometimes")
+    with pytest.raises(ValueError, match="Qwen3Config.attention_impl"):
+        Qwen3Config.tiny(attention_impl="flash")
+    with pytest.raises(ValueError, match="unknown model preset"):
+        Qwen3Config.preset("qwen3-15b")

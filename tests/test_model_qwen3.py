@@ -1,0 +1,206 @@
+"""Qwen3 forward: KV-cache decode, packing, sharded equivalence, memory plan, cuDNN attention."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from rstar_jax.model.generate import greedy_generate
+from rstar_jax.model.qwen3 import Qwen3, Qwen3Config, sequence_positions
+from rstar_jax.parallel import DEFAULT_RULES, create_sharded_model, make_mesh, memory_plan, param_shardings
+
+CONFIG = Qwen3Config.tiny()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Qwen3(CONFIG, rngs=nnx.Rngs(0))
+
+
+def _ids(shape, seed=0):
+    return jnp.asarray(np.random.default_rng(seed).integers(1, CONFIG.vocab_size, size=shape), jnp.int32)
+
+
+@nnx.jit
+def _forward(model, ids, positions, segment_ids):
+    return model(ids, positions, segment_ids)
+
+
+@nnx.jit
+def _cached(model, ids, positions, cache):
+    return model.forward_with_cache(ids, positions, cache)
+
+
+def test_prefill_then_decode_matches_full_forward(model):
+    with jax.default_matmul_precision("highest"):
+        ids = _ids((2, 20))
+        full = model(ids)
+        cache = model.init_cache(2, 32)
+        pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
+        logits, cache = _cached(model, ids[:, :12], pos, cache)
+        steps = [logits]
+        for t in range(12, 20):
+            step_logits, cache = _cached(model, ids[:, t:t + 1], jnp.full((2, 1), t), cache)
+            steps.append(step_logits)
+        np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_rows_at_different_positions(model):
+    """Continuous batching: two rows at different lengths decode in one batch."""
+    with jax.default_matmul_precision("highest"):
+        a, b = _ids((1, 15), 1), _ids((1, 9), 2)
+        cache = model.init_cache(2, 32)
+        prompt = jnp.concatenate([a[:, :14], jnp.pad(b[:, :8], ((0, 0), (0, 6)))], axis=0)
+        pos = jnp.broadcast_to(jnp.arange(14), (2, 14))
+        _, cache = _cached(model, prompt, pos, cache)
+        step, _ = _cached(model, jnp.stack([a[0, 14:15], b[0, 8:9]]), jnp.array([[14], [8]]), cache)
+        np.testing.assert_allclose(step[0, 0], model(a)[0, 14], atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(step[1, 0], model(b)[0, 8], atol=1e-5, rtol=1e-5)
+
+
+def test_greedy_generate_equals_stepwise_argmax(model):
+    ids = _ids((2, 10), 3)
+    lengths = jnp.array([10, 6])
+    tokens, logprobs = greedy_generate(model, ids, lengths, 5)
+    for row in range(2):
+        seq = list(np.asarray(ids[row, :int(lengths[row])]))
+        for i in range(5):
+            logits = model(jnp.asarray([seq]))[0, -1]
+            seq.append(int(jnp.argmax(logits)))
+            np.testing.assert_allclose(logprobs[row, i], jax.nn.log_softmax(logits)[seq[-1]], atol=1e-5)
+        assert seq[int(lengths[row]):] == tokens[row].tolist()
+
+
+def test_packed_sequences_equal_each_alone(model):
+    with jax.default_matmul_precision("highest"):
+        a, b = _ids((1, 7), 4), _ids((1, 11), 5)
+        packed = jnp.concatenate([a, b, jnp.zeros((1, 2), jnp.int32)], axis=1)
+        segments = jnp.asarray([[1] * 7 + [2] * 11 + [0] * 2])
+        positions = sequence_positions(segments)
+        assert positions[0, :9].tolist() == [0, 1, 2, 3, 4, 5, 6, 0, 1]
+        out = _forward(model, packed, positions, segments)
+        np.testing.assert_allclose(out[:, :7], model(a), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(out[:, 7:18], model(b), atol=1e-5, rtol=1e-5)
+
+
+def _loss_and_grads(model, ids):
+    def loss(m):
+        logits = m(ids)
+        return jnp.mean(jax.nn.log_softmax(logits)[..., 0] * jnp.arange(ids.shape[1]))
+
+    return nnx.jit(nnx.value_and_grad(loss))(model)
+
+
+EXPECTED_SPECS = {
+    # (data=2, fsdp=2, tensor=2)
+    (2, 2, 2): {
+        "embed": ("tensor", "fsdp"), "lm_head": ("fsdp", "tensor"),
+        "q_proj": (None, "fsdp", "tensor", None), "k_proj": (None, "fsdp", "tensor", None),
+        "v_proj": (None, "fsdp", "tensor", None), "o_proj": (None, "tensor", None, "fsdp"),
+        "gate_proj": (None, "fsdp", "tensor"), "up_proj": (None, "fsdp", "tensor"),
+        "down_proj": (None, "tensor", "fsdp"), "input_norm": (None, None), "post_attn_norm": (None, None),
+        "q_norm": (None, None), "k_norm": (None, None), "final_norm": (None,),
+    },
+    # (fsdp=8): every matrix sharded 8 ways on its embed dimension.
+    (1, 8, 1): {
+        "embed": (None, "fsdp"), "lm_head": ("fsdp", None),
+        "q_proj": (None, "fsdp", None, None), "k_proj": (None, "fsdp", None, None),
+        "v_proj": (None, "fsdp", None, None), "o_proj": (None, None, None, "fsdp"),
+        "gate_proj": (None, "fsdp", None), "up_proj": (None, "fsdp", None),
+        "down_proj": (None, None, "fsdp"), "input_norm": (None, None), "post_attn_norm": (None, None),
+        "q_norm": (None, None), "k_norm": (None, None), "final_norm": (None,),
+    },
+}
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2, 2), (1, 8, 1)])
+def test_sharded_forward_and_grads_equal_single_device(model, mesh_shape):
+    mesh = make_mesh(*mesh_shape)
+    sharded = create_sharded_model(CONFIG, mesh, DEFAULT_RULES, seed=0)
+    # Parameters are created already in place: every spec matches the golden table.
+    for name, spec in EXPECTED_SPECS[mesh_shape].items():
+        array = getattr(sharded, name)[...]
+        assert array.sharding.mesh.shape == mesh.shape, name
+        assert tuple(array.sharding.spec) == spec, (name, array.sharding.spec)
+        assert tuple(param_shardings(sharded, mesh)[name].spec) == spec
+    ids = _ids((4, 16), 6)
+    with jax.default_matmul_precision("highest"):
+        loss_1, grads_1 = _loss_and_grads(model, ids)
+        loss_n, grads_n = _loss_and_grads(sharded, ids)
+        np.testing.assert_allclose(sharded(ids), model(ids), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(loss_n, loss_1, atol=1e-6)
+    for (path, g1), (_, gn) in zip(nnx.to_flat_state(grads_1), nnx.to_flat_state(grads_n)):
+        np.testing.assert_allclose(gn[...], g1[...], atol=1e-5, rtol=1e-4, err_msg=str(path))
+
+
+def test_mesh_errors_name_the_axes():
+    with pytest.raises(ValueError, match="data\\*fsdp\\*tensor"):
+        make_mesh(2, 2, 3)
+    with pytest.raises(ValueError, match="mesh.tensor must be"):
+        make_mesh(1, -1, 0)
+
+
+def test_memory_plan_14b_matches_hand_computation():
+    c = Qwen3Config.qwen3_14b()
+    d, f, h, k, hd, v, n = 5120, 17408, 40, 8, 128, 151936, 40
+    per_layer = 2 * d + d * h * hd + 2 * d * k * hd + h * hd * d + 2 * hd + 3 * d * f
+    total = 2 * v * d + n * per_layer + d  # untied embedding and head
+    assert total == 14_768_307_200
+    assert c.num_params == total
+    # fsdp=64: every matrix splits 64 ways on its embed dim (5120 = 64 * 80); norms are replicated.
+    norms = n * (2 * d + 2 * hd) + d
+    per_device = (total - norms) // 64 + norms
+    plan = memory_plan(c, {"data": 1, "fsdp": 64, "tensor": 1}, param_dtype="float32")
+    assert plan.num_params == total
+    assert plan.param_bytes == 4 * per_device
+    assert plan.grad_bytes == 4 * per_device
+    assert plan.opt_state_bytes == 8 * per_device  # AdamW mu and nu in fp32
+    # bf16 parameters and gradients halve those two, not the fp32 moments.
+    bf16 = memory_plan(c, {"fsdp": 64}, param_dtype="bfloat16")
+    assert bf16.param_bytes == 2 * per_device and bf16.opt_state_bytes == 8 * per_device
+    assert "qwen3" not in str(plan) or "GiB" in str(plan)
+
+
+def test_every_preset_matches_published_shapes():
+    expected = {  # (layers, hidden, intermediate, heads, kv heads, tied, billions of parameters)
+        "qwen3-0.6b": (28, 1024, 3072, 16, 8, True, 0.596),
+        "qwen3-1.7b": (28, 2048, 6144, 16, 8, True, 1.721),
+        "qwen3-4b": (36, 2560, 9728, 32, 8, True, 4.022),
+        "qwen3-8b": (36, 4096, 12288, 32, 8, False, 8.191),
+        "qwen3-14b": (40, 5120, 17408, 40, 8, False, 14.768),
+    }
+    for name, (layers, hidden, inter, heads, kv, tied, billions) in expected.items():
+        c = Qwen3Config.preset(name)
+        assert (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+                c.tie_word_embeddings) == (layers, hidden, inter, heads, kv, tied), name
+        assert c.vocab_size == 151936 and c.head_dim == 128 and c.rope_theta == 1e6
+        assert round(c.num_params / 1e9, 3) == billions, name
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_remat_policies_give_identical_gradients(model, policy):
+    ids = _ids((2, 8), 7)
+    _, ref = _loss_and_grads(model, ids)
+    remat = Qwen3(Qwen3Config.tiny(remat_policy=policy), rngs=nnx.Rngs(0))
+    _, grads = _loss_and_grads(remat, ids)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(ref), nnx.to_flat_state(grads)):
+        np.testing.assert_allclose(a[...], b[...], atol=1e-6, err_msg=str(path))
+
+
+@pytest.mark.gpu
+def test_cudnn_attention_matches_xla_in_bf16():
+    cfg = dict(param_dtype="bfloat16", dtype="bfloat16", head_dim=64, num_heads=4, num_kv_heads=2)
+    gpu = jax.devices("gpu")[0]
+    with jax.default_device(gpu):
+        xla_model = Qwen3(Qwen3Config.tiny(**cfg), rngs=nnx.Rngs(0))
+        cudnn_model = Qwen3(Qwen3Config.tiny(attention_impl="cudnn", **cfg), rngs=nnx.Rngs(0))
+        ids = _ids((2, 256), 8)
+        np.testing.assert_allclose(
+            np.asarray(cudnn_model(ids), np.float32), np.asarray(xla_model(ids), np.float32), atol=5e-2, rtol=5e-2)
+        segments = jnp.asarray([[1] * 100 + [2] * 156, [1] * 200 + [0] * 56])
+        positions = sequence_positions(segments)
+        out_c = np.asarray(cudnn_model(ids, positions, segments), np.float32)
+        out_x = np.asarray(xla_model(ids, positions, segments), np.float32)
+        valid = np.asarray(segments > 0)
+        np.testing.assert_allclose(out_c[valid], out_x[valid], atol=5e-2, rtol=5e-2)
