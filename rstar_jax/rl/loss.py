@@ -1,0 +1,137 @@
+"""GRPO-RoC policy loss: PPO clipped surrogate with clip-higher, optional dual-clip, no KL.
+
+`grpo_loss` returns the *sum* of per-token losses and the token count instead of a mean, so the
+token-level mean of rStar2-Agent's Eq. 6 (one sum over every kept token, divided by the number of
+kept tokens in the global batch) stays exact under micro-batching, gradient accumulation and
+packing: callers add numerators and denominators across micro-batches and divide once.
+
+Metrics are returned in the same additive form (sums, counts, maxima, minima);
+`finalize_metrics` turns accumulated metrics into means and fractions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    clip_low: float = 0.2  # rStar2-Agent §2.2.1: epsilon_low
+    clip_high: float = 0.28  # clip-higher epsilon_high
+    dual_clip: float | None = None  # verl's clip_ratio_c (3.0); None disables
+    log_ratio_clamp: float = 20.0
+    kl_coef: float = 0.0  # GRPO-RoC has no KL term
+    entropy_coef: float = 0.0  # and no entropy bonus
+
+    def __post_init__(self):
+        if not 0 <= self.clip_low < 1:
+            raise ValueError(f"LossConfig.clip_low must be in [0, 1), got {self.clip_low}")
+        if self.clip_high < 0:
+            raise ValueError(f"LossConfig.clip_high must be >= 0, got {self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"LossConfig.dual_clip must be > 1 (or None), got {self.dual_clip}")
+        if self.log_ratio_clamp <= 0:
+            raise ValueError(f"LossConfig.log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
+
+
+SUM_METRICS = ("clip_low_count", "clip_high_count", "dual_clip_count", "ratio_sum", "entropy_sum",
+               "drift_abs_sum", "kl_sum", "pg_loss_sum", "token_count")
+MAX_METRICS = ("ratio_max", "drift_max")
+MIN_METRICS = ("ratio_min",)
+
+
+def grpo_loss(logprobs, old_logprobs, advantages, loss_mask, *, clip_low=0.2, clip_high=0.28, dual_clip=None,
+              log_ratio_clamp=20.0, ref_logprobs=None, kl_coef=0.0, entropy=None, entropy_coef=0.0,
+              sampler_logprobs=None):
+    """Token-level PPO-clip loss. All inputs [..., T]; `advantages` per token (or broadcastable).
+
+    Returns (loss_sum, token_count, metrics): the gradient of loss_sum / total_token_count is the
+    exact token-mean objective.
+    """
+    mask = loss_mask.astype(jnp.float32)
+    on = mask > 0
+    advantages = jnp.broadcast_to(advantages, logprobs.shape).astype(jnp.float32)
+    # Masked positions may hold anything (padding, -inf): zero them before exp.
+    log_ratio = jnp.where(on, logprobs - old_logprobs, 0.0)
+    log_ratio = jnp.clip(log_ratio, -log_ratio_clamp, log_ratio_clamp)
+    ratio = jnp.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    per_token = jnp.maximum(unclipped, clipped)
+    clip_high_hit = on & (advantages > 0) & (ratio > 1.0 + clip_high)
+    clip_low_hit = on & (advantages < 0) & (ratio < 1.0 - clip_low)
+    if dual_clip is not None:
+        bound = -advantages * dual_clip
+        dual_hit = on & (advantages < 0) & (per_token > bound)
+        per_token = jnp.where(advantages < 0, jnp.minimum(per_token, bound), per_token)
+    else:
+        dual_hit = jnp.zeros_like(on)
+    pg_loss = per_token
+    kl = jnp.zeros_like(per_token)
+    if ref_logprobs is not None and kl_coef:
+        # k3 estimator of KL(pi || ref), as verl's "low_var_kl", clamped for stability.
+        delta = jnp.clip(jnp.where(on, ref_logprobs - logprobs, 0.0), -20.0, 20.0)
+        kl = jnp.clip(jnp.exp(delta) - delta - 1.0, -10.0, 10.0)
+        per_token = per_token + kl_coef * kl
+    if entropy is not None and entropy_coef:
+        per_token = per_token - entropy_coef * entropy
+    loss_sum = jnp.sum(jnp.where(on, per_token, 0.0))
+    token_count = jnp.sum(mask)
+    big = jnp.float32(jnp.finfo(jnp.float32).max)
+    metrics = {
+        "token_count": token_count,
+        "pg_loss_sum": jnp.sum(jnp.where(on, pg_loss, 0.0)),
+        "clip_low_count": jnp.sum(clip_low_hit.astype(jnp.float32)),
+        "clip_high_count": jnp.sum(clip_high_hit.astype(jnp.float32)),
+        "dual_clip_count": jnp.sum(dual_hit.astype(jnp.float32)),
+        "ratio_sum": jnp.sum(jnp.where(on, ratio, 0.0)),
+        "ratio_max": jnp.max(jnp.where(on, ratio, -big)),
+        "ratio_min": jnp.min(jnp.where(on, ratio, big)),
+        "kl_sum": jnp.sum(jnp.where(on, kl, 0.0)),
+        "entropy_sum": jnp.sum(jnp.where(on, entropy, 0.0)) if entropy is not None else jnp.float32(0.0),
+    }
+    if sampler_logprobs is not None:
+        drift = jnp.where(on, jnp.abs(logprobs - sampler_logprobs), 0.0)
+        metrics["drift_abs_sum"] = jnp.sum(drift)
+        metrics["drift_max"] = jnp.max(drift)
+    else:
+        metrics["drift_abs_sum"] = jnp.float32(0.0)
+        metrics["drift_max"] = jnp.float32(0.0)
+    return loss_sum, token_count, jax.lax.stop_gradient(metrics)
+
+
+def combine_metrics(a: dict, b: dict) -> dict:
+    """Merges two additive metric dicts (as produced by `grpo_loss`)."""
+    out = {}
+    for key in a:
+        if key in MAX_METRICS:
+            out[key] = jnp.maximum(a[key], b[key])
+        elif key in MIN_METRICS:
+            out[key] = jnp.minimum(a[key], b[key])
+        else:
+            out[key] = a[key] + b[key]
+    return out
+
+
+def finalize_metrics(metrics: dict) -> dict:
+    """Means and fractions from accumulated sums (host floats)."""
+    m = {k: float(v) for k, v in metrics.items()}
+    n = max(m["token_count"], 1.0)
+    out = {
+        "loss/pg": m["pg_loss_sum"] / n,
+        "loss/tokens": m["token_count"],
+        "clip/low_frac": m["clip_low_count"] / n,
+        "clip/high_frac": m["clip_high_count"] / n,
+        "clip/dual_frac": m["dual_clip_count"] / n,
+        "ratio/mean": m["ratio_sum"] / n,
+        "ratio/max": m["ratio_max"] if m["token_count"] else 1.0,
+        "ratio/min": m["ratio_min"] if m["token_count"] else 1.0,
+        "kl/mean": m["kl_sum"] / n,
+        "entropy/mean": m["entropy_sum"] / n,
+        "drift/logprob_abs_mean": m["drift_abs_sum"] / n,
+        "drift/logprob_abs_max": m["drift_max"],
+    }
+    return out
