@@ -1,0 +1,26 @@
+"""Problem datasets (grain pipelines over jsonl/json/parquet) and synthetic tool-use problems."""
+
+from rstar_jax.data.datasets import (
+    DataError,
+    Example,
+    LoadReport,
+    PromptIterator,
+    load_examples,
+    prompt_iterator_from_config,
+    read_conversations,
+    read_examples,
+)
+from rstar_jax.data.synthetic import (
+    GENERATORS,
+    Problem,
+    generate_problems,
+    sft_conversation,
+    write_problems,
+    write_sft_file,
+)
+
+__all__ = [
+    "DataError", "Example", "LoadReport", "PromptIterator", "load_examples", "prompt_iterator_from_config",
+    "read_conversations", "read_examples", "GENERATORS", "Problem", "generate_problems", "sft_conversation",
+    "write_problems", "write_sft_file",
+]

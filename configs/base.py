@@ -1,0 +1,177 @@
+"""The whole config tree with the rStar2-Agent recipe values (RL stage 1 on Qwen3-14B-Base).
+
+Every other config file starts from `get_config()` here and changes only what its recipe changes.
+"spec §x" comments cite the rStar2-Agent specification: PAPER = arXiv 2508.20722, CODE = the
+microsoft/rStar release and its verl fork. `rstar_jax.config.validate` rejects any key that is not
+in this tree, so this file is also the schema.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+# Logical axis -> mesh axes; the same table as rstar_jax.parallel.DEFAULT_RULES (a test keeps
+# them equal). Weights FSDP-sharded on the embedding dim, tensor-parallel on heads/MLP/vocab.
+DEFAULT_RULES = (
+    ("batch", ("data", "fsdp")),
+    ("length", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+)
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.run_dir = "runs/stage1"
+    c.seed = 0
+    c.mode = "rl"  # "rl" | "sft" | "eval" | "demo"
+    c.stage = "stage1"  # a label recorded in checkpoints and metrics
+
+    c.model = ml_collections.ConfigDict()
+    c.model.preset = "qwen3-14b"  # spec §5.1: base model Qwen3-14B-Base
+    c.model.hf_path = ""  # a Hugging Face checkpoint directory to start from ("" = random init)
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "float32"
+    c.model.remat_policy = "full"  # spec §5.3: gradient checkpointing in the release run script
+    c.model.attention_impl = "xla"
+    # Per-field overrides of the preset (None = keep the preset's value).
+    c.model.overrides = ml_collections.ConfigDict()
+    for name, kind in (("vocab_size", int), ("hidden_size", int), ("intermediate_size", int),
+                       ("num_layers", int), ("num_heads", int), ("num_kv_heads", int), ("head_dim", int),
+                       ("max_position_embeddings", int), ("rope_theta", float), ("rms_norm_eps", float),
+                       ("tie_word_embeddings", bool)):
+        c.model.overrides[name] = config_dict.placeholder(kind)
+
+    # Sizes multiply to the device count; -1 takes the remaining devices (checked at run time).
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.data = 1
+    c.mesh.fsdp = -1  # spec §5.3: the release trains with FSDP
+    c.mesh.tensor = 1
+    c.mesh.rules = DEFAULT_RULES
+
+    c.tokenizer = ml_collections.ConfigDict()
+    c.tokenizer.kind = "hf"  # "byte" | "hf"
+    c.tokenizer.path = ""  # tokenizer.json or its directory ("" = model.hf_path)
+
+    c.data = ml_collections.ConfigDict()
+    # spec §5.2: the paper's 42K integer-answer set is unreleased; the release trains on
+    # open-r1/DAPO-Math-17k-Processed in the rStar2 parquet layout (spec §7). Set on the command line.
+    c.data.train_files = ()
+    c.data.eval_files = ()
+    # Dotted paths into a row ("prompt.0.content"); "auto" picks `question`/`answer`, else the
+    # rStar2 parquet layout (prompt[-1].content, reward_model.ground_truth), decided per file.
+    c.data.question_key = "auto"
+    c.data.answer_key = "auto"
+    c.data.format = "auto"  # "auto" (by extension) | "json" | "jsonl" | "parquet"
+    c.data.shuffle_seed = 0
+    c.data.on_bad_row = "error"  # "error" | "skip" (skipped rows are counted and reported)
+    c.data.num_prompts_per_step = 512  # spec §5.3: 512 prompts per step (PAPER §4.3)
+    c.data.synthetic = ml_collections.ConfigDict()
+    c.data.synthetic.enabled = False  # generate tool-use problems into run_dir instead of train_files
+    c.data.synthetic.num_train = 2048
+    c.data.synthetic.num_eval = 64
+    c.data.synthetic.seed = 0
+    c.data.synthetic.kinds = ()  # () = every generator in rstar_jax.data.synthetic.GENERATORS
+    c.data.synthetic.difficulty = 1  # 1 (tiny runs) .. 3 (answers far beyond mental arithmetic)
+
+    c.rollout = ml_collections.ConfigDict()
+    c.rollout.backend = "jax"  # "jax" (in-process JaxEngine) | "sglang" (HTTP servers)
+    c.rollout.servers = ()  # SGLang base URLs, e.g. ("http://10.0.0.5:30000",)
+    c.rollout.scheduler = "kv"  # spec §4.1: KV-cache-aware load balancing | "round_robin"
+    c.rollout.rollouts_per_prompt = 32  # spec §5.3: 32 rollouts per prompt, RoC keeps 16
+    c.rollout.temperature = 1.0  # spec §5.3: rollout temperature 1.0
+    c.rollout.top_p = 1.0  # spec §5.3: verl default
+    c.rollout.top_k = -1  # spec §5.3: verl default (disabled)
+    c.rollout.max_turns = 10  # spec §5.3: T = 10 in stages 1-2
+    c.rollout.response_budget = 8192  # spec §5.3: 8K stage 1; model and tool tokens share it
+    c.rollout.max_prompt_length = 2048  # spec §5.3: CODE run script
+    c.rollout.tool_name = "python_code_with_standard_io"  # spec §2.2: the release's tool name
+    c.rollout.observation_style = "release"  # "release" | "paper" (spec §2.3)
+    # spec §6.9: the original truncation length is unspecified; this bound is our choice.
+    c.rollout.observation_max_chars = 4096
+    c.rollout.max_concurrency = 512  # trajectories in flight
+    c.rollout.engine = ml_collections.ConfigDict()  # in-process JaxEngine
+    c.rollout.engine.slots = 64  # concurrent sequences in the KV cache
+    c.rollout.engine.max_length = 10240  # prompt + response budget
+
+    c.rl = ml_collections.ConfigDict()
+    c.rl.group_size = 16  # spec §5.3: RoC keeps 16 of 32
+    c.rl.roc_variant = "paper"  # "paper" (spec §1.4) | "release" (spec §1.3)
+    c.rl.roc_epsilon = 1e-3  # paper variant: weight 1 / (p_total + epsilon)
+    c.rl.clip_low = 0.2  # spec §5.3: clip 0.2 / 0.28 (clip-higher)
+    c.rl.clip_high = 0.28
+    c.rl.dual_clip = config_dict.placeholder(float)  # None = off; verl's clip_ratio_c is 3.0
+    c.rl.kl_coef = 0.0  # spec §5.3: no KL term
+    c.rl.entropy_coef = 0.0  # spec §5.3: no entropy term
+    c.rl.logprob_chunk_size = 1024  # tokens per chunk of the vocab projection in token_logprobs
+    c.rl.micro_batch_tokens = 20480  # spec §5.3: ppo_max_token_len_per_gpu in the release
+    c.rl.use_sampler_logprobs = False  # False: recompute old log-probs with the trainer, as verl does
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.lr = 1e-6  # spec §5.3: constant lr 1e-6 after a 20-step linear warm-up
+    c.optim.warmup_steps = 20
+    c.optim.schedule = "constant"  # "constant" | "cosine"
+    c.optim.b1 = 0.9  # spec §5.3: AdamW betas (0.9, 0.999), verl defaults
+    c.optim.b2 = 0.999
+    c.optim.weight_decay = 0.01  # spec §5.3: verl default
+    c.optim.grad_clip = 1.0  # spec §5.3: verl default
+    c.optim.reset_at_start = False  # spec §5.3: True for stage 3 (optimizer state reset)
+
+    c.train = ml_collections.ConfigDict()
+    c.train.steps = 300  # spec §5.3: stage 1 runs 300 steps
+    c.train.eval_every = 20
+    c.train.log_every = 1
+    c.train.init_from = ""  # checkpoint directory of the previous stage ("" = model.hf_path / init)
+
+    c.sft = ml_collections.ConfigDict()
+    c.sft.train_files = ()  # conversations (jsonl of {"messages": [...]}); synthetic when enabled
+    c.sft.epochs = 3  # spec §5.1: 3 epochs, lr 5e-6, 4% warm-up, cosine decay, batch 128
+    c.sft.lr = 5e-6
+    c.sft.warmup_ratio = 0.04
+    c.sft.schedule = "cosine"
+    c.sft.batch_size = 128
+    c.sft.max_length = 8192  # spec §5.1: not given in the paper; our choice
+    c.sft.pack = True
+    c.sft.before_rl = False  # run this SFT first, then RL from its result (tiny runs)
+
+    c.sandbox = ml_collections.ConfigDict()
+    c.sandbox.launch_local = True  # start `python -m sandbox_service` on this host for the run (and stop it)
+    c.sandbox.targets = ()  # "host:port" of running sandbox servers (then launch_local=False)
+    c.sandbox.workers = 32
+    c.sandbox.timeout_s = 4.0  # spec §6.9: the release's 4 s execution limit
+    c.sandbox.memory_mb = 2048  # spec §6.9: unspecified in the paper; our choice
+    c.sandbox.verify_via = "sandbox"  # "sandbox" (Verify RPC) | "local" (process pool)
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 10
+    c.checkpoint.max_to_keep = 3
+    c.checkpoint.async_save = True
+    c.checkpoint.export_hf_every = 0  # 0 = never; else every N steps (weights for SGLang servers)
+
+    c.metrics = ml_collections.ConfigDict()
+    c.metrics.tensorboard = True
+    c.metrics.jsonl = True
+    c.metrics.progress_bar = True
+
+    c.eval = ml_collections.ConfigDict()
+    c.eval.files = ()
+    c.eval.k = 16  # spec §5.4: 16 samples per question, avg@16
+    c.eval.temperature = 0.6  # spec §5.4
+    c.eval.top_p = 1.0  # spec §5.4: not stated; verl default
+    c.eval.max_turns = 30  # spec §5.4: T = 30
+    c.eval.response_budget = 30000  # spec §5.4: up to 30K tokens per response
+
+    # `python -m rstar_jax.filter_hard`: spec §5.3 stage-3 hard set, drop problems solved k of k.
+    c.filter_hard = ml_collections.ConfigDict()
+    c.filter_hard.k = 8  # spec §5.3: 8 rollouts per problem
+    c.filter_hard.output_file = ""
+
+    # The launcher's foundation demonstration (mode "demo").
+    c.demo = ml_collections.ConfigDict()
+    c.demo.batch_size = 4
+    c.demo.prompt_length = 16
+    c.demo.new_tokens = 24
+    return c

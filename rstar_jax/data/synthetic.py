@@ -1,0 +1,229 @@
+"""Seeded synthetic tool-use math problems for tiny runs and tests.
+
+Every problem has an integer answer that is tedious in the head and one line of Python away
+(digit sums of large powers, prime counts, modular powers, divisor counts, Fibonacci residues,
+binomial residues, power sums), a question text, and a reference solution that prints the answer.
+`write_problems` writes a dataset file in any format the data pipeline reads, and
+`sft_conversation` builds a complete rStar2-style multi-turn conversation that solves a problem
+with one tool call: the assistant calls the Python tool with the reference code, the tool answers
+with the code's real output, and the assistant closes its reasoning and boxes the answer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import json
+import math
+import pathlib
+import random
+from collections.abc import Callable, Sequence
+
+DEFAULT_TOOL_NAME = "python_code_with_standard_io"  # spec §2.2
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    kind: str
+    question: str
+    answer: int
+    solution: str  # Python source that prints `answer`
+
+    def to_row(self, index: int) -> dict:
+        return {"index": index, "kind": self.kind, "question": self.question, "answer": str(self.answer),
+                "solution": self.solution}
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    for d in range(2, math.isqrt(n) + 1):
+        if n % d == 0:
+            return False
+    return True
+
+
+def _fib_mod(n: int, m: int) -> int:
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, (a + b) % m
+    return a % m
+
+
+# Each generator: (rng, difficulty 1..3) -> Problem. Sizes grow with difficulty so that even
+# difficulty 1 is far beyond comfortable mental arithmetic, while the code stays instant.
+
+def digit_sum_power(rng: random.Random, difficulty: int) -> Problem:
+    base = rng.randint(2, 9)
+    exponent = rng.randint(15 * difficulty, 60 * difficulty)
+    answer = sum(int(ch) for ch in str(base ** exponent))
+    code = f"print(sum(int(ch) for ch in str({base} ** {exponent})))"
+    return Problem("digit_sum_power", f"What is the sum of the decimal digits of {base}^{exponent}?", answer, code)
+
+
+def primes_in_range(rng: random.Random, difficulty: int) -> Problem:
+    low = rng.randint(10, 500 * difficulty)
+    high = low + rng.randint(100, 800 * difficulty)
+    answer = sum(1 for n in range(low, high + 1) if _is_prime(n))
+    code = (f"def is_prime(n):\n    if n < 2:\n        return False\n    d = 2\n    while d * d <= n:\n"
+            f"        if n % d == 0:\n            return False\n        d += 1\n    return True\n\n"
+            f"print(sum(1 for n in range({low}, {high + 1}) if is_prime(n)))")
+    return Problem("primes_in_range", f"How many prime numbers p satisfy {low} <= p <= {high}?", answer, code)
+
+
+def modular_power(rng: random.Random, difficulty: int) -> Problem:
+    base = rng.randint(3, 99 * difficulty)
+    exponent = rng.randint(100, 10 ** (2 + difficulty))
+    modulus = rng.randint(101, 10 ** (2 + difficulty))
+    answer = pow(base, exponent, modulus)
+    code = f"print(pow({base}, {exponent}, {modulus}))"
+    return Problem("modular_power", f"What is the remainder when {base}^{exponent} is divided by {modulus}?",
+                   answer, code)
+
+
+def divisor_count(rng: random.Random, difficulty: int) -> Problem:
+    primes = [2, 3, 5, 7, 11, 13, 17, 19, 23]
+    n = 1
+    for p in rng.sample(primes, 2 + difficulty):
+        n *= p ** rng.randint(1, 2 + difficulty)
+    answer = sum(1 for d in range(1, math.isqrt(n) + 1) if n % d == 0) * 2 - (math.isqrt(n) ** 2 == n)
+    code = (f"n = {n}\ncount = 0\nd = 1\nwhile d * d <= n:\n    if n % d == 0:\n"
+            f"        count += 1 if d * d == n else 2\n    d += 1\nprint(count)")
+    return Problem("divisor_count", f"How many positive divisors does {n} have?", answer, code)
+
+
+def fibonacci_mod(rng: random.Random, difficulty: int) -> Problem:
+    n = rng.randint(50, 500 * difficulty)
+    modulus = rng.randint(97, 10 ** (2 + difficulty))
+    answer = _fib_mod(n, modulus)
+    code = f"a, b = 0, 1\nfor _ in range({n}):\n    a, b = b, (a + b) % {modulus}\nprint(a)"
+    return Problem("fibonacci_mod", f"Let F(0) = 0, F(1) = 1 and F(n) = F(n-1) + F(n-2). "
+                                    f"What is F({n}) modulo {modulus}?", answer, code)
+
+
+def binomial_mod(rng: random.Random, difficulty: int) -> Problem:
+    n = rng.randint(30, 200 * difficulty)
+    k = rng.randint(5, n // 2)
+    modulus = rng.randint(97, 10 ** (2 + difficulty))
+    answer = math.comb(n, k) % modulus
+    code = f"from math import comb\nprint(comb({n}, {k}) % {modulus})"
+    return Problem("binomial_mod", f"In how many ways can {k} items be chosen from {n} distinct items? "
+                                   f"Give the count modulo {modulus}.", answer, code)
+
+
+def power_sum_mod(rng: random.Random, difficulty: int) -> Problem:
+    n = rng.randint(50, 400 * difficulty)
+    power = rng.randint(3, 4 + 2 * difficulty)
+    modulus = rng.randint(97, 10 ** (2 + difficulty))
+    answer = sum(pow(i, power, modulus) for i in range(1, n + 1)) % modulus
+    code = f"print(sum(i ** {power} for i in range(1, {n + 1})) % {modulus})"
+    return Problem("power_sum_mod", f"What is (1^{power} + 2^{power} + ... + {n}^{power}) modulo {modulus}?",
+                   answer, code)
+
+
+GENERATORS: dict[str, Callable[[random.Random, int], Problem]] = {
+    "digit_sum_power": digit_sum_power,
+    "primes_in_range": primes_in_range,
+    "modular_power": modular_power,
+    "divisor_count": divisor_count,
+    "fibonacci_mod": fibonacci_mod,
+    "binomial_mod": binomial_mod,
+    "power_sum_mod": power_sum_mod,
+}
+
+
+def generate_problems(n: int, *, seed: int = 0, kinds: Sequence[str] = (), difficulty: int = 1) -> list[Problem]:
+    """`n` problems cycling through `kinds` (all generators when empty); deterministic in `seed`."""
+    if n < 0:
+        raise ValueError(f"generate_problems: n must be >= 0, got {n}")
+    if difficulty not in (1, 2, 3):
+        raise ValueError(f"generate_problems: difficulty must be 1, 2 or 3, got {difficulty}")
+    kinds = list(kinds) or list(GENERATORS)
+    unknown = [k for k in kinds if k not in GENERATORS]
+    if unknown:
+        raise ValueError(f"generate_problems: unknown kinds {unknown}; known: {sorted(GENERATORS)}")
+    rng = random.Random(seed)
+    return [GENERATORS[kinds[i % len(kinds)]](rng, difficulty) for i in range(n)]
+
+
+def write_problems(path: str | pathlib.Path, problems: Sequence[Problem], fmt: str = "auto") -> pathlib.Path:
+    """Writes problems as jsonl (one row each), json (a list of {index, question, answer}, like the
+    rStar eval files) or parquet (the rStar2 training layout: prompt / reward_model / extra_info)."""
+    path = pathlib.Path(path)
+    if fmt == "auto":
+        fmt = path.suffix.lstrip(".")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [p.to_row(i) for i, p in enumerate(problems)]
+    if fmt == "jsonl":
+        with open(path, "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    elif fmt == "json":
+        path.write_text(json.dumps([{k: r[k] for k in ("index", "question", "answer")} for r in rows], indent=1))
+    elif fmt == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pa.Table.from_pylist([{
+            "data_source": "rstar_jax_synthetic",
+            "agent_name": "rstar2_agent",
+            "prompt": [{"role": "user", "content": r["question"]}],
+            "reward_model": {"style": "rule", "ground_truth": r["answer"]},
+            "extra_info": {"split": "train", "index": r["index"], "answer": r["answer"], "question": r["question"]},
+        } for r in rows])
+        pq.write_table(table, path)
+    else:
+        raise ValueError(f"write_problems: unknown format {fmt!r} for {path} (expected jsonl, json or parquet)")
+    return path
+
+
+def run_reference(problem: Problem) -> str:
+    """Runs the (trusted, generated) reference solution in-process and returns its stdout."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(problem.solution, f"<{problem.kind}>", "exec"), {"__name__": "__main__"})
+    return out.getvalue()
+
+
+def tool_call_text(code: str, tool_name: str = DEFAULT_TOOL_NAME, stdin: str = "") -> str:
+    """A Hermes/Qwen-style tool call as the rStar2 model writes it (spec §2.1)."""
+    call = {"name": tool_name, "arguments": {"code": code, "input": stdin}}
+    return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
+
+
+def sft_conversation(problem: Problem, *, tool_name: str = DEFAULT_TOOL_NAME,
+                     format_observation: Callable[[str], str] | None = None) -> list[dict]:
+    """A full solved conversation as chat messages for the template to render.
+
+    The assistant turns omit the leading `<reason>` because the template forces it at the start of
+    every assistant turn (spec §2.1); the tool message holds the code's real output (passed through
+    `format_observation`, e.g. the release style, when given).
+    """
+    stdout = run_reference(problem)
+    if stdout.strip() != str(problem.answer):
+        raise RuntimeError(f"reference solution of a {problem.kind} problem printed {stdout!r}, "
+                           f"expected {problem.answer}")
+    observation = format_observation(stdout) if format_observation else stdout
+    first = (f"This is tedious by hand, so I will compute it with Python.\n"
+             f"{tool_call_text(problem.solution, tool_name)}")
+    final = (f"The program printed {problem.answer}, so the answer is {problem.answer}.\n</reason>\n"
+             f"<answer>\\boxed{{{problem.answer}}}</answer>")
+    return [
+        {"role": "user", "content": problem.question},
+        {"role": "assistant", "content": first},
+        {"role": "tool", "content": observation},
+        {"role": "assistant", "content": final},
+    ]
+
+
+def write_sft_file(path: str | pathlib.Path, problems: Sequence[Problem], *, tool_name: str = DEFAULT_TOOL_NAME,
+                   format_observation: Callable[[str], str] | None = None) -> pathlib.Path:
+    """jsonl of {"messages": [...], "answer": "N"}: the SFT input format."""
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for p in problems:
+            messages = sft_conversation(p, tool_name=tool_name, format_observation=format_observation)
+            f.write(json.dumps({"messages": messages, "answer": str(p.answer)}) + "\n")
+    return path
