@@ -1,0 +1,248 @@
+"""Checkpoints of a training run with Orbax: saves are asynchronous, restores land sharded.
+
+One checkpoint step holds
+- `model`: the policy's NNX state (every variable, as a pure dict of arrays),
+- `optimizer`: the optimizer's NNX state (step count and moments), when given,
+- `meta` (JSON): step, stage, the RNG key data, and wall time,
+- `data` (JSON): the data-iterator state (`PromptIterator.get_state()`),
+- `config` (JSON): the run's config.
+
+Restores go straight into the shardings of the live targets (or of any pytree of
+`jax.ShapeDtypeStruct` with `sharding` set), so no host holds a full copy of the parameters.
+
+    ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=3)
+    ckpt.save(step, model=model, optimizer=optimizer, rng=key, data_state=it.get_state(), config=config)
+    restored = ckpt.restore(model=model, optimizer=optimizer)      # latest step, in place
+    ckpt.close()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+ExportHook = Callable[[int, pathlib.Path], Any]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing or does not match its restore target."""
+
+
+@dataclasses.dataclass
+class RestoredState:
+    step: int
+    stage: str
+    rng: jax.Array | None
+    data_state: dict | None
+    config: dict | None
+    optimizer_restored: bool  # False when reset_optimizer was requested or none was saved
+    model_state: Any = None  # pure dict (also written into `model` when one was passed)
+    optimizer_state: Any = None
+
+
+def abstract_state(tree: Any) -> Any:
+    """ShapeDtypeStructs (with the arrays' shardings) for every array leaf of a pytree."""
+    def leaf(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return x
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        x = np.asarray(x)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return jax.tree.map(leaf, tree)
+
+
+def _pure_state(obj: Any) -> Any:
+    """An nnx object or State -> pure nested dict of arrays; any other pytree passes through."""
+    if isinstance(obj, nnx.Pytree):
+        obj = nnx.state(obj)
+    if isinstance(obj, nnx.State):
+        return nnx.to_pure_dict(obj)
+    return obj
+
+
+def _rng_to_json(rng: jax.Array | None) -> dict | None:
+    if rng is None:
+        return None
+    typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
+    data = np.asarray(jax.random.key_data(rng) if typed else rng)
+    out = {"typed": bool(typed), "data": data.astype(np.uint32).tolist(), "shape": list(data.shape)}
+    if typed:
+        out["impl"] = str(jax.random.key_impl(rng))
+    return out
+
+
+def _rng_from_json(entry: dict | None) -> jax.Array | None:
+    if entry is None:
+        return None
+    data = np.asarray(entry["data"], np.uint32).reshape(entry["shape"])
+    if entry["typed"]:
+        return jax.random.wrap_key_data(data, impl=entry.get("impl"))
+    return jax.numpy.asarray(data)
+
+
+def _config_to_json(config: Any) -> dict | None:
+    if config is None:
+        return None
+    if hasattr(config, "to_json_best_effort"):
+        return json.loads(config.to_json_best_effort())
+    return json.loads(json.dumps(config, default=str))
+
+
+class Checkpointer:
+    """An Orbax `CheckpointManager` for model, optimizer, RNG, data-iterator state and config."""
+
+    def __init__(self, directory: str | pathlib.Path, *, max_to_keep: int = 3, async_save: bool = True,
+                 save_every: int = 1, export_hf: ExportHook | None = None, export_every: int = 0,
+                 export_dir: str | pathlib.Path | None = None):
+        if max_to_keep < 1:
+            raise ValueError(f"Checkpointer: max_to_keep must be >= 1, got {max_to_keep}")
+        if save_every < 1:
+            raise ValueError(f"Checkpointer: save_every must be >= 1, got {save_every}")
+        if export_every < 0:
+            raise ValueError(f"Checkpointer: export_every must be >= 0, got {export_every}")
+        self.directory = pathlib.Path(directory).absolute()
+        self.save_every = save_every
+        self.export_hf = export_hf
+        self.export_every = export_every
+        self.export_dir = pathlib.Path(export_dir) if export_dir else self.directory.parent / "hf"
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
+                                               create=True)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
+
+    # -- saving ---------------------------------------------------------------------------------
+    def should_save(self, step: int) -> bool:
+        return step % self.save_every == 0
+
+    def save(self, step: int, *, model: Any, optimizer: Any = None, rng: jax.Array | None = None,
+             data_state: dict | None = None, stage: str = "", config: Any = None, force: bool = False) -> bool:
+        """Starts an (async) save of everything at `step`; returns whether a save happened.
+
+        Without `force`, saves only on multiples of `save_every`. The HF export hook runs on
+        multiples of `export_every` (synchronously, with the live model).
+        """
+        if not force and not self.should_save(step):
+            return False
+        items = {
+            "model": ocp.args.StandardSave(_pure_state(model)),
+            "meta": ocp.args.JsonSave({"step": int(step), "stage": stage, "rng": _rng_to_json(rng),
+                                       "has_optimizer": optimizer is not None, "time": time.time()}),
+            "data": ocp.args.JsonSave(data_state if data_state is not None else {}),
+            "config": ocp.args.JsonSave(_config_to_json(config) or {}),
+        }
+        if optimizer is not None:
+            items["optimizer"] = ocp.args.StandardSave(_pure_state(optimizer))
+        saved = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+        if self.export_hf is not None and self.export_every and step % self.export_every == 0:
+            self.export_hf(step, self.export_dir / f"step_{step}")
+        return bool(saved)
+
+    # -- restoring ------------------------------------------------------------------------------
+    def all_steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def restore(self, step: int | None = None, *, model: Any, optimizer: Any = None,
+                reset_optimizer: bool = False) -> RestoredState:
+        """Restores `step` (default: latest) into the shardings of `model` / `optimizer`.
+
+        `model` and `optimizer` are live nnx objects (updated in place) or pytrees of arrays /
+        ShapeDtypeStructs describing the targets. With `reset_optimizer`, the optimizer state is
+        left as it is (freshly initialised by the caller), as for the stage-3 reset.
+        """
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise CheckpointError(f"no checkpoint in {self.directory}")
+        if step not in self._manager.all_steps():
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory} "
+                                  f"(available: {self.all_steps()})")
+        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        metadata = self._manager.item_metadata(step)
+        model_target = abstract_state(_pure_state(model))
+        _check_target(metadata["model"], model_target, f"{self.directory} step {step} model")
+        items = {"model": ocp.args.StandardRestore(model_target),
+                 "meta": ocp.args.JsonRestore(), "data": ocp.args.JsonRestore(),
+                 "config": ocp.args.JsonRestore()}
+        want_optimizer = optimizer is not None and not reset_optimizer
+        if want_optimizer:
+            if not meta.get("has_optimizer"):
+                raise CheckpointError(f"checkpoint step {step} in {self.directory} has no optimizer state; "
+                                      f"restore with reset_optimizer=True to start a fresh optimizer")
+            optimizer_target = abstract_state(_pure_state(optimizer))
+            _check_target(metadata["optimizer"], optimizer_target, f"{self.directory} step {step} optimizer")
+            items["optimizer"] = ocp.args.StandardRestore(optimizer_target)
+        try:
+            restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+        except (ValueError, KeyError) as e:
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} does not match the restore "
+                                  f"target: {e}") from None
+        model_state = restored["model"]
+        _write_back(model, model_state)
+        optimizer_state = None
+        if want_optimizer:
+            optimizer_state = restored["optimizer"]
+            _write_back(optimizer, optimizer_state)
+        return RestoredState(step=int(meta["step"]), stage=meta.get("stage", ""), rng=_rng_from_json(meta.get("rng")),
+                             data_state=restored["data"] or None, config=restored["config"] or None,
+                             optimizer_restored=want_optimizer, model_state=model_state,
+                             optimizer_state=optimizer_state)
+
+    def wait(self) -> None:
+        """Blocks until pending async saves are on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _handlers() -> dict:
+    return {"model": ocp.StandardCheckpointHandler(), "optimizer": ocp.StandardCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(), "data": ocp.JsonCheckpointHandler(),
+            "config": ocp.JsonCheckpointHandler()}
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return {jax.tree_util.keystr(path, simple=True, separator="."): leaf for path, leaf in flat}
+
+
+def _check_target(metadata: Any, target: Any, where: str) -> None:
+    """Same tensor names and shapes in the checkpoint and the restore target, named when not."""
+    saved = _flat(getattr(metadata, "tree", metadata))
+    wanted = _flat(target)
+    missing = sorted(set(wanted) - set(saved))
+    unexpected = sorted(set(saved) - set(wanted))
+    if missing or unexpected:
+        raise CheckpointError(f"{where} does not match the restore target: missing in the checkpoint "
+                              f"{missing[:8]}, not in the target {unexpected[:8]}")
+    for name, leaf in wanted.items():
+        if tuple(saved[name].shape) != tuple(leaf.shape):
+            raise CheckpointError(f"{where} does not match the restore target: tensor {name} has shape "
+                                  f"{tuple(saved[name].shape)} in the checkpoint, {tuple(leaf.shape)} in the target")
+
+
+def _write_back(target: Any, pure: Any) -> None:
+    """Writes a restored pure dict into a live nnx object (no-op for plain pytrees)."""
+    if isinstance(target, nnx.Pytree):
+        state = nnx.state(target)
+        nnx.replace_by_pure_dict(state, pure)
+        nnx.update(target, state)
