@@ -1,0 +1,305 @@
+"""Run metrics: JSONL + TensorBoard writer, a plain-text progress bar, RL step statistics, FLOPs/MFU.
+
+FLOP convention (PaLM, Chowdhery et al. 2022, App. B, with the causal half):
+training costs `6·N + 6·L·H·hd·T` FLOPs per token, where N counts every parameter that takes part
+in a matmul (all weights except the input-embedding lookup table; the LM head counts even when
+tied), L layers, H query heads of size hd, T the sequence length. The attention term is
+fwd+bwd (×3) of QKᵀ and AV (2·2·T·hd per head and token) = 12·L·H·hd·T, halved because a causal
+token attends to T/2 keys on average. Forward only (generation, log-prob recomputation) is a third
+of that: `2·N + 2·L·H·hd·T`. Norms, RoPE, softmax and activations are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import pathlib
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, TextIO
+
+import numpy as np
+
+# Dense peak FLOP/s per device for MFU (vendor datasheets, without sparsity).
+PEAK_FLOPS = {
+    "h100_bf16": 989e12,  # NVIDIA H100 SXM
+    "h200_bf16": 989e12,  # NVIDIA H200 (same compute as H100 SXM)
+    "mi300x_bf16": 1307e12,  # AMD Instinct MI300X
+    "a100_bf16": 312e12,
+}
+
+
+# -- writer ---------------------------------------------------------------------------------------
+
+def _plain(value: Any) -> Any:
+    """Host Python value for JSON: numpy/jax scalars -> float/int, small arrays -> lists."""
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if hasattr(value, "__array__") or isinstance(value, np.generic):
+        array = np.asarray(value)
+        if array.ndim == 0:
+            return array.item()
+        return array.tolist()
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+class MetricsWriter:
+    """One JSON line per `write` in `<run_dir>/metrics.jsonl` and TensorBoard scalars in `<run_dir>/tb`.
+
+    Each line is flushed as it is written, so a killed run keeps every step it logged; `close` is
+    idempotent and also runs on garbage collection / context exit.
+    """
+
+    def __init__(self, run_dir: str | pathlib.Path, *, tensorboard: bool = True, jsonl: bool = True,
+                 filename: str = "metrics.jsonl"):
+        self.run_dir = pathlib.Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = self.run_dir / filename if jsonl else None
+        self._jsonl = open(self.jsonl_path, "a", buffering=1) if jsonl else None
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(logdir=str(self.run_dir / "tb"), flush_secs=10)
+        self.closed = False
+
+    def write(self, step: int, metrics: Mapping[str, Any], *, prefix: str = "") -> dict:
+        """Logs `metrics` at `step`; returns the record written. Numeric scalars go to TensorBoard."""
+        if self.closed:
+            raise RuntimeError("MetricsWriter.write after close()")
+        record = {"step": int(step), "time": time.time()}
+        for key, value in metrics.items():
+            name = f"{prefix}{key}"
+            if name in record:
+                raise ValueError(f"metric name {name!r} collides with a reserved field")
+            record[name] = _plain(value)
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for name, value in record.items():
+                if name in ("step", "time"):
+                    continue
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(name, value, global_step=int(step))
+        return record
+
+    def flush(self) -> None:
+        if self._jsonl is not None and not self._jsonl.closed:
+            self._jsonl.flush()
+        if self._tb is not None:
+            self._tb.flush()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: files may already be gone
+            pass
+
+
+def read_metrics(path: str | pathlib.Path) -> list[dict]:
+    """All records of a metrics.jsonl (or of `<run_dir>/metrics.jsonl`)."""
+    path = pathlib.Path(path)
+    if path.is_dir():
+        path = path / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- progress bar ---------------------------------------------------------------------------------
+
+def format_duration(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h{minutes:02d}m"
+    if minutes:
+        return f"{minutes}m{secs:02d}s"
+    return f"{secs}s"
+
+
+class ProgressBar:
+    """`[stage1] 12/300 [###.......] 4% 3.1s/step ETA 14m53s reward=0.41`.
+
+    On a terminal the line is redrawn in place; otherwise (logs, CI) every update is its own line.
+    The ETA uses the mean time per step since the first update, so a slow first step (compilation)
+    stops dominating after a few steps.
+    """
+
+    def __init__(self, total: int, *, desc: str = "", width: int = 20, stream: TextIO | None = None,
+                 start_step: int = 0, clock=time.monotonic):
+        if total < 1:
+            raise ValueError(f"ProgressBar: total must be >= 1, got {total}")
+        self.total = total
+        self.desc = desc
+        self.width = width
+        self.stream = stream if stream is not None else sys.stdout
+        self.clock = clock
+        self._start_step = start_step
+        self._start_time = clock()
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self.last_line = ""
+
+    def render(self, step: int, postfix: Mapping[str, Any] | None = None) -> str:
+        elapsed = self.clock() - self._start_time
+        done = step - self._start_step
+        per_step = elapsed / done if done > 0 else float("nan")
+        remaining = (self.total - step) * per_step if done > 0 else float("nan")
+        fraction = min(max(step / self.total, 0.0), 1.0)
+        filled = int(round(fraction * self.width))
+        bar = "#" * filled + "." * (self.width - filled)
+        parts = [f"[{self.desc}] " if self.desc else "", f"{step}/{self.total} [{bar}] {100 * fraction:.0f}%"]
+        if done > 0:
+            parts.append(f" {per_step:.2f}s/step ETA {format_duration(remaining)}")
+        for key, value in (postfix or {}).items():
+            parts.append(f" {key}={value:.4g}" if isinstance(value, float) else f" {key}={value}")
+        return "".join(parts)
+
+    def update(self, step: int, **postfix: Any) -> str:
+        line = self.render(step, postfix)
+        self.last_line = line
+        if self._tty:
+            self.stream.write("\r\x1b[2K" + line)
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+        return line
+
+    def close(self) -> None:
+        if self._tty and self.last_line:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+# -- RL step statistics ---------------------------------------------------------------------------
+
+def _get(item: Any, name: str, default: Any = None) -> Any:
+    if isinstance(item, Mapping):
+        return item.get(name, default)
+    return getattr(item, name, default)
+
+
+def _response_length(item: Any) -> int:
+    length = _get(item, "response_length")
+    if length is not None:
+        return int(length)
+    ids = _get(item, "response_ids")
+    if ids is None:
+        raise ValueError("trajectory has neither response_length nor response_ids")
+    return len(ids)
+
+
+def _truncated(item: Any) -> bool:
+    return bool(_get(item, "truncated", False)) or _get(item, "finish_reason") == "budget"
+
+
+def _ratio(num: float, den: float) -> float:
+    return float(num) / float(den) if den else 0.0
+
+
+def rl_step_stats(trajectories: Sequence[Any], *, correct_threshold: float = 0.5) -> dict[str, float]:
+    """Per-step rollout statistics from per-trajectory dicts or objects (e.g. `Trajectory`).
+
+    Fields read: reward, group_id, n_tool_calls, n_tool_errors, n_answer_tags, truncated /
+    finish_reason, and response_length or response_ids. A trajectory is positive when its reward
+    exceeds `correct_threshold`. Groups (by group_id) with every rollout correct or every rollout
+    wrong are the ones RoC drops (spec §5.3); the rest are kept. A format violation is an answer
+    block count other than one (no answer, or several). Tool-error rates are errors / calls
+    within positive and within negative trajectories.
+    """
+    if not trajectories:
+        raise ValueError("rl_step_stats: no trajectories")
+    rewards = np.asarray([float(_get(t, "reward", 0.0)) for t in trajectories])
+    positive = rewards > correct_threshold
+    calls = np.asarray([int(_get(t, "n_tool_calls", 0)) for t in trajectories])
+    errors = np.asarray([int(_get(t, "n_tool_errors", 0)) for t in trajectories])
+    answers = np.asarray([int(_get(t, "n_answer_tags", 0)) for t in trajectories])
+    lengths = np.asarray([_response_length(t) for t in trajectories])
+    truncated = np.asarray([_truncated(t) for t in trajectories])
+    groups: dict[Any, list[bool]] = {}
+    for t, ok in zip(trajectories, positive):
+        groups.setdefault(_get(t, "group_id", 0), []).append(bool(ok))
+    all_correct = sum(all(g) for g in groups.values())
+    all_wrong = sum(not any(g) for g in groups.values())
+    negative = ~positive
+    return {
+        "reward_mean": float(rewards.mean()),
+        "pass_rate": float(positive.mean()),  # fraction of correct trajectories
+        "group_solve_rate": _ratio(sum(any(g) for g in groups.values()), len(groups)),
+        "num_trajectories": len(trajectories),
+        "num_groups": len(groups),
+        "groups_kept": len(groups) - all_correct - all_wrong,
+        "groups_dropped_all_correct": all_correct,
+        "groups_dropped_all_wrong": all_wrong,
+        "tool_calls_mean": float(calls.mean()),
+        "tool_calls_mean_positive": _ratio(calls[positive].sum(), positive.sum()),
+        "tool_calls_mean_negative": _ratio(calls[negative].sum(), negative.sum()),
+        "tool_error_rate": _ratio(errors.sum(), calls.sum()),
+        "tool_error_rate_positive": _ratio(errors[positive].sum(), calls[positive].sum()),
+        "tool_error_rate_negative": _ratio(errors[negative].sum(), calls[negative].sum()),
+        "format_violation_rate": float((answers != 1).mean()),
+        "response_length_mean": float(lengths.mean()),
+        "response_length_max": int(lengths.max()),
+        "truncation_ratio": float(truncated.mean()),
+    }
+
+
+# -- FLOPs and MFU --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class FlopCount:
+    matmul_params: int  # N: parameters used in matmuls (everything but the input embedding table)
+    flops_per_token: float
+
+
+def qwen3_matmul_params(config: Any) -> int:
+    """N for a Qwen3 config: attention and MLP weights of every layer plus the LM head."""
+    d, hd = config.hidden_size, config.head_dim
+    attention = d * config.num_heads * hd * 2 + d * config.num_kv_heads * hd * 2  # q, o and k, v
+    mlp = 3 * d * config.intermediate_size  # gate, up, down
+    return config.num_layers * (attention + mlp) + d * config.vocab_size  # + LM head (tied or not)
+
+
+def flops_per_token(config: Any, seq_len: int, *, training: bool = True) -> FlopCount:
+    """FLOPs per token under the module's convention: 6N + 6·L·H·hd·T (training), a third forward."""
+    if seq_len < 1:
+        raise ValueError(f"flops_per_token: seq_len must be >= 1, got {seq_len}")
+    n = qwen3_matmul_params(config)
+    attention = 6.0 * config.num_layers * config.num_heads * config.head_dim * seq_len
+    total = 6.0 * n + attention
+    return FlopCount(matmul_params=n, flops_per_token=total if training else total / 3.0)
+
+
+def throughput(tokens: int, seconds: float, flops_per_token_value: float, *, num_devices: int = 1,
+               peak_flops_per_device: float | None = None) -> dict[str, float]:
+    """tokens/s, achieved FLOP/s, and MFU (achieved / (devices × peak)) when a peak is given."""
+    if seconds <= 0:
+        raise ValueError(f"throughput: seconds must be > 0, got {seconds}")
+    tokens_per_s = tokens / seconds
+    achieved = tokens_per_s * flops_per_token_value
+    out = {"tokens_per_s": tokens_per_s, "flops_per_s": achieved}
+    if peak_flops_per_device:
+        out["mfu"] = achieved / (num_devices * peak_flops_per_device)
+    return out

@@ -1,0 +1,148 @@
+"""MetricsWriter files, progress bar text, RL step statistics by hand, FLOP formula by hand."""
+
+import io
+import json
+import math
+
+import pytest
+
+from rstar_jax.rollout.trajectory import Trajectory
+from rstar_jax.train.metrics import (
+    MetricsWriter,
+    ProgressBar,
+    flops_per_token,
+    format_duration,
+    qwen3_matmul_params,
+    read_metrics,
+    rl_step_stats,
+    throughput,
+)
+
+
+def _read_tb_scalars(logdir):
+    """Parses TFRecord-framed event files (u64 length, u32 crc, payload, u32 crc) by hand."""
+    import struct
+
+    from tensorboardX.proto.event_pb2 import Event
+
+    out = {}
+    files = sorted(logdir.glob("events.out.tfevents.*"))
+    assert files, "no event file written"
+    for path in files:
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            for value in event.summary.value:
+                out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
+
+
+def test_writer_jsonl_tensorboard_and_close(tmp_path):
+    import numpy as np
+
+    with MetricsWriter(tmp_path) as writer:
+        writer.write(1, {"reward_mean": np.float32(0.25), "lr": 1e-6, "stage": "stage1", "hist": np.arange(3)})
+        writer.write(2, {"reward_mean": 0.5, "nan_metric": float("nan")})
+        # Lines are on disk before close (a SIGKILLed run keeps them).
+        assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+        with pytest.raises(ValueError, match="reserved"):
+            writer.write(3, {"step": 1})
+    writer.close()  # idempotent
+    with pytest.raises(RuntimeError, match="after close"):
+        writer.write(4, {"x": 1})
+    records = read_metrics(tmp_path)
+    assert [r["step"] for r in records] == [1, 2]
+    assert records[0]["reward_mean"] == 0.25 and records[0]["stage"] == "stage1" and records[0]["hist"] == [0, 1, 2]
+    assert math.isnan(records[1]["nan_metric"])
+
+    scalars = _read_tb_scalars(tmp_path / "tb")
+    assert scalars["reward_mean"] == [(1, 0.25), (2, 0.5)]
+    assert scalars["lr"] == [(1, pytest.approx(1e-6))]
+    assert "stage" not in scalars and "hist" not in scalars
+
+    with MetricsWriter(tmp_path / "only_jsonl", tensorboard=False) as writer:
+        writer.write(0, {"a": 1})
+    assert not (tmp_path / "only_jsonl" / "tb").exists()
+
+
+def test_progress_bar_plain_text_with_eta():
+    now = [100.0]
+    stream = io.StringIO()  # not a TTY: one line per update
+    bar = ProgressBar(10, desc="stage1", width=10, stream=stream, clock=lambda: now[0])
+    assert "ETA" not in bar.update(0)
+    now[0] += 4.0
+    line = bar.update(2, reward=0.41234, kept=3)
+    # 2 steps in 4 s -> 2.00 s/step, 8 steps left -> 16 s.
+    assert line == "[stage1] 2/10 [##........] 20% 2.00s/step ETA 16s reward=0.4123 kept=3"
+    now[0] += 96.0
+    assert bar.update(5).endswith("20.00s/step ETA 1m40s")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 3 and "\r" not in stream.getvalue()
+    assert format_duration(3725) == "1h02m" and format_duration(float("nan")) == "?"
+    with pytest.raises(ValueError):
+        ProgressBar(0)
+
+
+def _traj(group, reward, calls, errors, answers, length, finish="no_tool_call"):
+    t = Trajectory(prompt_ids=[1, 2], response_ids=list(range(length)), loss_mask=[1] * length,
+                   sampler_logprobs=[0.0] * length, policy_versions=[0] * length, reward=reward,
+                   finish_reason=finish, truncated=finish == "budget", group_id=group)
+    t.n_tool_calls, t.n_tool_errors, t.n_answer_tags = calls, errors, answers
+    return t
+
+
+def test_rl_step_stats_by_hand():
+    trajectories = [
+        # group 0: mixed (kept)
+        _traj(0, 1.0, calls=2, errors=0, answers=1, length=10),
+        _traj(0, 0.0, calls=4, errors=3, answers=0, length=30, finish="budget"),
+        # group 1: all correct (dropped)
+        _traj(1, 1.0, calls=1, errors=1, answers=1, length=20),
+        _traj(1, 1.0, calls=0, errors=0, answers=2, length=12),
+    ]
+    # Plain dicts work the same way: group 2, all wrong.
+    trajectories += [{"group_id": 2, "reward": 0.0, "n_tool_calls": 2, "n_tool_errors": 1, "n_answer_tags": 1,
+                      "response_length": 8, "finish_reason": "no_tool_call"}]
+    s = rl_step_stats(trajectories)
+    assert s["reward_mean"] == pytest.approx(3 / 5) and s["pass_rate"] == pytest.approx(3 / 5)
+    assert (s["num_groups"], s["groups_kept"], s["groups_dropped_all_correct"], s["groups_dropped_all_wrong"]) == (3, 1, 1, 1)
+    assert s["group_solve_rate"] == pytest.approx(2 / 3)
+    assert s["tool_calls_mean"] == pytest.approx(9 / 5)
+    assert s["tool_calls_mean_positive"] == pytest.approx(3 / 3) and s["tool_calls_mean_negative"] == pytest.approx(6 / 2)
+    assert s["tool_error_rate"] == pytest.approx(5 / 9)
+    assert s["tool_error_rate_positive"] == pytest.approx(1 / 3) and s["tool_error_rate_negative"] == pytest.approx(4 / 6)
+    assert s["format_violation_rate"] == pytest.approx(2 / 5)  # answers 0 and 2
+    assert s["response_length_mean"] == pytest.approx(80 / 5) and s["response_length_max"] == 30
+    assert s["truncation_ratio"] == pytest.approx(1 / 5)
+    with pytest.raises(ValueError, match="no trajectories"):
+        rl_step_stats([])
+
+
+def test_flops_formula_by_hand_and_against_the_model():
+    from flax import nnx
+
+    from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
+
+    cfg = Qwen3Config.tiny()  # vocab 320, d 64, mlp 128, 2 layers, 4 heads x 16, 2 kv heads
+    # Per layer: q 64*64 + o 64*64 + k 64*32 + v 64*32 = 12288; MLP 3*64*128 = 24576.
+    # N = 2 * 36864 + LM head 64*320 = 94208.
+    assert qwen3_matmul_params(cfg) == 94208
+    count = flops_per_token(cfg, seq_len=128)
+    # 6N = 565248; attention 6 * L2 * H4 * hd16 * T128 = 98304.
+    assert count.flops_per_token == 663552.0
+    assert flops_per_token(cfg, 128, training=False).flops_per_token == 221184.0
+
+    # Independently: every matmul weight of the real model (no norms, no input embedding).
+    model = nnx.eval_shape(lambda: Qwen3(cfg, rngs=nnx.Rngs(0)))
+    flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+    sizes = {"/".join(map(str, path)): math.prod(v.get_value().shape) for path, v in flat}
+    matmul = sum(n for name, n in sizes.items() if "norm" not in name and name != "embed")
+    assert matmul == qwen3_matmul_params(cfg)
+
+    out = throughput(tokens=1000, seconds=2.0, flops_per_token_value=663552.0, num_devices=2,
+                     peak_flops_per_device=1e9)
+    assert out["tokens_per_s"] == 500.0 and out["flops_per_s"] == 500.0 * 663552.0
+    assert out["mfu"] == pytest.approx(500.0 * 663552.0 / 2e9)
