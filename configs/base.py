@@ -20,6 +20,8 @@ DEFAULT_RULES = (
     ("kv_heads", "tensor"),
     ("head_dim", None),
     ("mlp", "tensor"),
+    ("layers", None),  # the stacked (scanned) layer axis
+    ("norm", None),
 )
 
 

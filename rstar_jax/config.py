@@ -412,3 +412,36 @@ def validate(config: ml_collections.ConfigDict, *, check_files: bool = True) -> 
             _existing(config, "train.init_from", [config.train.init_from])
     config.lock()
     return config
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+def main() -> None:
+    """`python -m rstar_jax.config --config=configs/stage3.py [--config.a.b=v ...]`: validate and print.
+
+    Exits with status 2 and a message naming the field when the config is invalid.
+    """
+    import sys
+
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    config_flag = config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), "Path to a config file.",
+                                                  lock_config=True)
+    check_files = flags.DEFINE_bool("check_files", True, "Check that input files exist.")
+
+    def run(argv):
+        if len(argv) > 1:
+            raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+        try:
+            config = validate(config_flag.value, check_files=check_files.value)
+        except ConfigError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+        print(config.to_json_best_effort(indent=2))
+
+    app.run(run)
+
+
+if __name__ == "__main__":
+    main()
