@@ -1,0 +1,223 @@
+"""Datasets (jsonl/json/parquet, bad rows, resumable grain iterator) and synthetic tool-use problems."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rstar_jax.config import REPO_CONFIGS, load_config
+from rstar_jax.data import (
+    GENERATORS,
+    DataError,
+    PromptIterator,
+    generate_problems,
+    load_examples,
+    prompt_iterator_from_config,
+    read_conversations,
+    read_examples,
+    sft_conversation,
+    write_problems,
+    write_sft_file,
+)
+
+
+# -- synthetic problems ---------------------------------------------------------------------------
+
+def _independent_answer(problem):
+    """Re-derives the answer from the question text alone, with sympy."""
+    import sympy
+
+    nums = [int(x) for x in re.findall(r"\d+", problem.question)]
+    if problem.kind == "digit_sum_power":
+        return sum(map(int, str(sympy.Integer(nums[0]) ** nums[1])))
+    if problem.kind == "primes_in_range":
+        return int(sympy.primepi(nums[1]) - sympy.primepi(nums[0] - 1))
+    if problem.kind == "modular_power":
+        return int(sympy.Mod(sympy.Integer(nums[0]) ** nums[1], nums[2]))
+    if problem.kind == "divisor_count":
+        return int(sympy.divisor_count(nums[0]))
+    if problem.kind == "fibonacci_mod":
+        return int(sympy.fibonacci(nums[-2]) % nums[-1])
+    if problem.kind == "binomial_mod":
+        return int(sympy.binomial(nums[1], nums[0]) % nums[2])
+    if problem.kind == "power_sum_mod":
+        power, n, m = nums[1], nums[-3], nums[-1]
+        return int(sum(sympy.Integer(i) ** power for i in range(1, n + 1)) % m)
+    raise AssertionError(problem.kind)
+
+
+@pytest.mark.parametrize("difficulty", [1, 3])
+def test_synthetic_answers_match_sympy_and_the_reference_code(difficulty):
+    problems = generate_problems(2 * len(GENERATORS), seed=11, difficulty=difficulty)
+    assert {p.kind for p in problems} == set(GENERATORS)
+    for p in problems:
+        assert isinstance(p.answer, int) and p.answer >= 0
+        assert _independent_answer(p) == p.answer, p
+    # The reference solutions run as real programs and print exactly the answer.
+    script = "\n".join(f"exec({p.solution!r})" for p in problems)
+    printed = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60).stdout
+    assert printed.split() == [str(p.answer) for p in problems]
+
+
+def test_synthetic_is_seeded_and_validated():
+    assert generate_problems(20, seed=3) == generate_problems(20, seed=3)
+    assert generate_problems(20, seed=3) != generate_problems(20, seed=4)
+    assert len({p.question for p in generate_problems(200, seed=0)}) > 190
+    only = generate_problems(5, kinds=["modular_power"])
+    assert all(p.kind == "modular_power" for p in only)
+    with pytest.raises(ValueError, match="unknown kinds"):
+        generate_problems(1, kinds=["nope"])
+    with pytest.raises(ValueError, match="difficulty"):
+        generate_problems(1, difficulty=4)
+
+
+def test_sft_conversation_has_a_tool_call_real_output_and_boxed_answer():
+    problem = generate_problems(1, seed=5, kinds=["primes_in_range"])[0]
+    messages = sft_conversation(problem, tool_name="python", format_observation=lambda out: f"stdout: {out}")
+    assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
+    assert messages[0]["content"] == problem.question
+    call = re.search(r"<tool_call>\n(.*)\n</tool_call>$", messages[1]["content"], re.S)
+    payload = json.loads(call.group(1))
+    assert payload == {"name": "python", "arguments": {"code": problem.solution, "input": ""}}
+    assert messages[2]["content"] == f"stdout: {problem.answer}\n"
+    assert messages[3]["content"].endswith(f"</reason>\n<answer>\\boxed{{{problem.answer}}}</answer>")
+    assert "<reason>" not in messages[1]["content"]  # the template forces it
+
+
+def test_sft_file_round_trip_and_bad_conversations(tmp_path):
+    problems = generate_problems(6, seed=1)
+    path = write_sft_file(tmp_path / "sft.jsonl", problems)
+    conversations = read_conversations(path)
+    assert len(conversations) == 6 and conversations[2][0]["content"] == problems[2].question
+    (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "robot", "content": "x"}]}\n')
+    with pytest.raises(DataError, match=r"bad.jsonl row 0 \(line 1\): messages\[0\] must be"):
+        read_conversations(tmp_path / "bad.jsonl")
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataError, match="empty"):
+        read_conversations(tmp_path / "empty.jsonl")
+
+
+# -- files and rows -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json", "parquet"])
+def test_written_problem_files_read_back_in_every_format(tmp_path, fmt):
+    problems = generate_problems(9, seed=2)
+    path = write_problems(tmp_path / f"p.{fmt}", problems)
+    examples, report = read_examples(path)
+    assert [(e.question, e.answer) for e in examples] == [(p.question, str(p.answer)) for p in problems]
+    assert [e.row for e in examples] == list(range(9)) and examples[0].source == str(path)
+    assert report.rows_read == report.rows_kept == 9 and report.num_skipped == 0
+
+
+def test_rstar2_parquet_layout_with_explicit_dotted_keys(tmp_path):
+    rows = [{"prompt": [{"role": "system", "content": "sys"}, {"role": "user", "content": f"q{i}"}],
+             "reward_model": {"style": "rule", "ground_truth": i * 7}} for i in range(4)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    examples, _ = read_examples(tmp_path / "train.parquet", question_key="prompt.-1.content",
+                                answer_key="reward_model.ground_truth")
+    assert [(e.question, e.answer) for e in examples] == [(f"q{i}", str(i * 7)) for i in range(4)]
+    auto, _ = read_examples(tmp_path / "train.parquet")
+    assert auto == examples
+
+
+def test_rstar_eval_file_from_shared(shared_dir):
+    examples, report = read_examples(shared_dir / "data" / "amc23_test.json")
+    assert report.rows_kept == 40 and all(e.answer.lstrip("-").isdigit() for e in examples)
+
+
+BAD_ROWS = [
+    ({"question": "q"}, "missing_answer", r"no answer at key 'answer'"),
+    ({"question": "q", "answer": None}, "null_answer", r"answer at 'answer' is null"),
+    ({"question": "q", "answer": "  "}, "empty_answer", r"must be a non-empty string or a number, got str"),
+    ({"question": "q", "answer": [1, 2]}, "bad_answer_type", r"got list \[1, 2\]"),
+    ({"question": "q", "answer": True}, "bad_answer_type", r"got bool True"),
+    ({"answer": "1"}, "missing_question", r"no question at key 'question'"),
+    ({"question": "", "answer": "1"}, "bad_question", r"must be a non-empty string"),
+]
+
+
+@pytest.mark.parametrize("row,reason,message", BAD_ROWS)
+def test_bad_row_is_an_error_naming_file_and_row_or_is_skipped(tmp_path, row, reason, message):
+    good = {"question": "What is 2+2?", "answer": 4}
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (good, good, row, good)) + "\n")
+    with pytest.raises(DataError, match=rf"d.jsonl row 2 \(line 3\): .*{message}"):
+        read_examples(path, question_key="question", answer_key="answer")
+    examples, report = read_examples(path, question_key="question", answer_key="answer", on_bad_row="skip")
+    assert [e.row for e in examples] == [0, 1, 3] and report.skipped == {reason: 1}
+    assert report.rows_read == 4 and report.rows_kept == 3 and "row 2" in report.examples_of_skipped[0]
+
+
+def test_malformed_and_empty_files(tmp_path):
+    (tmp_path / "broken.jsonl").write_text('{"question": "a", "answer": 1}\n{not json\n')
+    with pytest.raises(DataError, match=r"broken.jsonl row 1 \(line 2\): invalid JSON"):
+        read_examples(tmp_path / "broken.jsonl")
+    _, report = read_examples(tmp_path / "broken.jsonl", on_bad_row="skip")
+    assert report.skipped == {"invalid_json": 1}
+    for name, content in (("e.jsonl", "\n\n"), ("e.json", "[]"), ("blank.json", "")):
+        (tmp_path / name).write_text(content)
+        with pytest.raises(DataError, match=rf"{name}: the file is empty"):
+            read_examples(tmp_path / name)
+    pq.write_table(pa.table({"question": pa.array([], pa.string()), "answer": pa.array([], pa.string())}),
+                   tmp_path / "e.parquet")
+    with pytest.raises(DataError, match=r"e.parquet: the file is empty"):
+        read_examples(tmp_path / "e.parquet")
+    (tmp_path / "obj.json").write_text('{"question": "a"}')
+    with pytest.raises(DataError, match="must be a list of objects"):
+        read_examples(tmp_path / "obj.json")
+    (tmp_path / "d.csv").write_text("question,answer\n")
+    with pytest.raises(DataError, match="cannot tell the format"):
+        read_examples(tmp_path / "d.csv")
+    (tmp_path / "allbad.jsonl").write_text('{"question": "a"}\n')
+    with pytest.raises(DataError, match="none of its 1 rows is usable"):
+        read_examples(tmp_path / "allbad.jsonl", on_bad_row="skip")
+    with pytest.raises(DataError, match="no such file"):
+        read_examples(tmp_path / "missing.jsonl")
+
+
+# -- the prompt stream ----------------------------------------------------------------------------
+
+def _examples(tmp_path, n=12):
+    return load_examples([write_problems(tmp_path / "a.jsonl", generate_problems(n, seed=0))])[0]
+
+
+def test_epochs_are_seeded_permutations(tmp_path):
+    examples = _examples(tmp_path)
+    it = PromptIterator(examples, batch_size=4, seed=1)
+    epochs = [[e.row for _ in range(3) for e in next(it)] for _ in range(3)]
+    assert all(sorted(epoch) == list(range(12)) for epoch in epochs)
+    assert epochs[0] != epochs[1] and epochs[0] != list(range(12))  # reshuffled every epoch
+    again = PromptIterator(examples, batch_size=4, seed=1)
+    assert [e.row for e in next(again)] == epochs[0][:4]
+    other = PromptIterator(examples, batch_size=4, seed=2)
+    assert [e.row for _ in range(3) for e in next(other)] != epochs[0]
+    finite = PromptIterator(examples, batch_size=5, seed=0, num_epochs=1)
+    assert len(list(finite)) == 2  # 12 // 5, remainder dropped
+
+
+def test_iterator_state_resumes_exactly(tmp_path):
+    examples = _examples(tmp_path)
+    it = PromptIterator(examples, batch_size=5, seed=3)
+    for _ in range(4):
+        next(it)
+    state = json.loads(json.dumps(it.get_state()))  # what a checkpoint stores
+    expected = [[e.row for e in next(it)] for _ in range(5)]
+    resumed = PromptIterator(examples, batch_size=5, seed=3)
+    resumed.set_state(state)
+    assert [[e.row for e in next(resumed)] for _ in range(5)] == expected
+    with pytest.raises(DataError, match="state belongs to different data: seed was 3, now 4"):
+        PromptIterator(examples, batch_size=5, seed=4).set_state(state)
+    with pytest.raises(DataError, match="batch_size"):
+        PromptIterator(examples[:2], batch_size=5, num_epochs=1)
+
+
+def test_prompt_iterator_from_config(tmp_path):
+    path = write_problems(tmp_path / "p.parquet", generate_problems(10, seed=0))
+    config = load_config(REPO_CONFIGS / "tiny.py", [f"data.train_files={path}"])
+    it, report = prompt_iterator_from_config(config)
+    batch = next(it)
+    assert len(batch) == config.data.num_prompts_per_step == 2 and report.rows_kept == 10
