@@ -221,3 +221,19 @@ def test_prompt_iterator_from_config(tmp_path):
     it, report = prompt_iterator_from_config(config)
     batch = next(it)
     assert len(batch) == config.data.num_prompts_per_step == 2 and report.rows_kept == 10
+
+
+def test_prepare_synthetic_data_from_the_tiny_config(tmp_path):
+    from rstar_jax.data import prepare_synthetic_data
+
+    config = load_config(REPO_CONFIGS / "tiny.py", [f"run_dir={tmp_path / 'run'}", "data.synthetic.num_train=12",
+                                                   "data.synthetic.num_eval=4"])
+    files = prepare_synthetic_data(config)
+    train, _ = read_examples(files.train)
+    held_out, _ = read_examples(files.eval)
+    conversations = read_conversations(files.sft)
+    assert (len(train), len(held_out), len(conversations)) == (12, 4, 12)
+    assert not {e.question for e in held_out} & {e.question for e in train}
+    assert config.rollout.tool_name in conversations[0][1]["content"]
+    first = files.train.read_bytes()
+    assert prepare_synthetic_data(config).train.read_bytes() == first  # deterministic on resume

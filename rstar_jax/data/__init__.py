@@ -13,7 +13,9 @@ from rstar_jax.data.datasets import (
 from rstar_jax.data.synthetic import (
     GENERATORS,
     Problem,
+    SyntheticFiles,
     generate_problems,
+    prepare_synthetic_data,
     sft_conversation,
     write_problems,
     write_sft_file,
@@ -22,5 +24,6 @@ from rstar_jax.data.synthetic import (
 __all__ = [
     "DataError", "Example", "LoadReport", "PromptIterator", "load_examples", "prompt_iterator_from_config",
     "read_conversations", "read_examples", "GENERATORS", "Problem", "generate_problems", "sft_conversation",
+    "SyntheticFiles", "prepare_synthetic_data",
     "write_problems", "write_sft_file",
 ]

@@ -227,3 +227,29 @@ def write_sft_file(path: str | pathlib.Path, problems: Sequence[Problem], *, too
             messages = sft_conversation(p, tool_name=tool_name, format_observation=format_observation)
             f.write(json.dumps({"messages": messages, "answer": str(p.answer)}) + "\n")
     return path
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticFiles:
+    train: pathlib.Path  # RL problems (jsonl)
+    eval: pathlib.Path  # held-out problems (jsonl)
+    sft: pathlib.Path  # solved conversations on problems disjoint from the RL seed (jsonl)
+
+
+def prepare_synthetic_data(config, *, format_observation: Callable[[str], str] | None = None) -> SyntheticFiles:
+    """Writes the synthetic datasets a config asks for (`config.data.synthetic`) into
+    `<run_dir>/data/` and returns their paths. Deterministic in the synthetic seed, so a resumed
+    run rewrites identical files. Eval and SFT problems use their own seeds (seed+1, seed+2) so
+    they do not repeat the RL training problems' random draws."""
+    syn = config.data.synthetic
+    out = pathlib.Path(config.run_dir) / "data"
+    kinds = tuple(syn.kinds)
+    train = generate_problems(syn.num_train, seed=syn.seed, kinds=kinds, difficulty=syn.difficulty)
+    held_out = generate_problems(syn.num_eval, seed=syn.seed + 1, kinds=kinds, difficulty=syn.difficulty)
+    sft = generate_problems(syn.num_train, seed=syn.seed + 2, kinds=kinds, difficulty=syn.difficulty)
+    return SyntheticFiles(
+        train=write_problems(out / "train.jsonl", train),
+        eval=write_problems(out / "eval.jsonl", held_out),
+        sft=write_sft_file(out / "sft.jsonl", sft, tool_name=config.rollout.tool_name,
+                           format_observation=format_observation),
+    )
