@@ -232,8 +232,9 @@ class _EpochShuffled(Sequence):
     """Random access to the concatenation of epochs, each an independent seeded permutation.
 
     Element i is example perm_e[i mod n] of epoch e = i // n, with perm_e drawn by NumPy from
-    (seed, e). Equivalent to grain's shuffle-then-repeat, but a whole permutation costs
-    microseconds where grain's per-index Feistel shuffle costs milliseconds per element.
+    (seed, e). The same stream shape as grain's shuffle-then-repeat, but grain's per-index
+    shuffle costs about 3 ms per element on small datasets and 36 us at 42K examples, against
+    about 25 us per prompt here (benchmarks/prompt_stream.py).
     """
 
     def __init__(self, examples: Sequence[Example], *, seed: int, shuffle: bool, num_epochs: int | None):
