@@ -270,11 +270,8 @@ def validate(config: ml_collections.ConfigDict, *, check_files: bool = True) -> 
     except TypeError as e:
         raise ConfigError(f"config.model.overrides: {e}") from None
     _validate_mesh(config)
-    if config.mode == "demo":
-        for field in ("batch_size", "prompt_length", "new_tokens"):
-            _positive_int(config, f"demo.{field}")
-        config.lock()
-        return config
+    for field in ("batch_size", "prompt_length", "new_tokens"):
+        _positive_int(config, f"demo.{field}")
 
     _enum(config, "tokenizer.kind", TOKENIZER_KINDS)
     if config.tokenizer.kind == "hf":

@@ -100,6 +100,10 @@ def test_tiny_config_describes_a_tiny_model():
     assert model.num_layers == 2 and model.max_position_embeddings == 4096
     assert config.tokenizer.kind == "byte" and config.data.synthetic.enabled and config.sft.before_rl
     assert config.sandbox.launch_local and config.rollout.backend == "jax"
+    # The RL run it describes needs no input files: everything is synthetic.
+    validate(_load("tiny", "mode=rl"))
+    with pytest.raises(ConfigError, match="config.demo.new_tokens: must be a positive integer, got 0"):
+        validate(_load("tiny", "demo.new_tokens=0"))
 
 
 def test_overrides_parse_by_field_type():
