@@ -114,3 +114,47 @@ def test_restore_into_abstract_targets_and_mismatch(mesh, tmp_path):
         other = create_sharded_model(Qwen3Config.tiny(num_layers=1), mesh, seed=0)
         with pytest.raises(CheckpointError, match=r"tensor (\S+) has shape \(2, .*\) in the checkpoint, \(1, "):
             ckpt.restore(model=other)
+
+
+def test_resume_continues_exactly_with_data_and_rng(tmp_path):
+    """Train a stand-in model on the prompt stream, checkpoint at step k, resume in fresh objects:
+    the same batches, RNG draws and parameters as the uninterrupted run at step k+n."""
+    from rstar_jax.data import PromptIterator, generate_problems, load_examples, write_problems
+
+    examples = load_examples([write_problems(tmp_path / "p.jsonl", generate_problems(10, seed=0))])[0]
+
+    def fresh():
+        model = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+        return model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param), PromptIterator(examples, 3, seed=5)
+
+    @nnx.jit
+    def step(model, optimizer, x):
+        grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        optimizer.update(model, grads)
+
+    def run(model, optimizer, stream, key, steps, ckpt=None, start=0):
+        seen = []
+        for i in range(start, start + steps):
+            batch = next(stream)
+            key, sub = jax.random.split(key)
+            rows = jnp.asarray([[e.row, len(e.question) % 7, int(e.answer) % 5, i] for e in batch], jnp.float32)
+            step(model, optimizer, rows * jax.random.uniform(sub, (1, 4)))
+            seen.append([e.row for e in batch])
+            if ckpt is not None:
+                ckpt.save(i + 1, model=model, optimizer=optimizer, rng=key, data_state=stream.get_state())
+        return key, seen
+
+    model, optimizer, stream = fresh()
+    with Checkpointer(tmp_path / "ckpt", max_to_keep=1) as ckpt:
+        key, first = run(model, optimizer, stream, jax.random.key(0), 4, ckpt)
+    _, expected = run(model, optimizer, stream, key, 5, start=4)
+
+    model2, optimizer2, stream2 = fresh()
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        restored = ckpt.restore(model=model2, optimizer=optimizer2)
+    stream2.set_state(restored.data_state)
+    assert restored.step == 4
+    _, resumed = run(model2, optimizer2, stream2, restored.rng, 5, start=4)
+    assert resumed == expected
+    for a, b in zip(_leaves(model) + _leaves(optimizer), _leaves(model2) + _leaves(optimizer2)):
+        assert np.array_equal(a, b)
