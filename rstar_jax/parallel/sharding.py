@@ -32,6 +32,10 @@ def param_shardings(state_or_model, mesh: Mesh, rules=DEFAULT_RULES) -> dict[str
 def state_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES):
     """A pytree of shardings matching `state` (parameters sharded, everything else replicated)."""
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    if mesh.size == 1:
+        # One device: plain single-device arrays keep XLA off the (slower on CPU) SPMD path.
+        single = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
+        return jax.tree.map(lambda v: v.replace(single), state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
     def one(var):
         meta = var.get_metadata()
@@ -44,6 +48,9 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES):
 
 def set_activation_shardings(model: Qwen3, mesh: Mesh, rules=DEFAULT_RULES) -> Qwen3:
     """Constrains the model's main activations (batch over the data-parallel axes)."""
+    if mesh.size == 1:
+        model.activation_shardings = ()
+        return model
     # The residual stream's embed dim stays unsharded within a layer (FSDP shards weights only).
     rules = tuple(rules) + (("embed_act", None),)
     model.activation_shardings = tuple(
@@ -62,7 +69,13 @@ def create_sharded_model(config: Qwen3Config, mesh: Mesh, rules=DEFAULT_RULES, s
     graphdef, abstract_state = nnx.split(abstract)
     shardings = state_shardings(abstract_state, mesh, rules)
 
-    state = jax.jit(lambda: nnx.state(Qwen3(config, rngs=nnx.Rngs(seed))), out_shardings=shardings)()
+    init = lambda: nnx.state(Qwen3(config, rngs=nnx.Rngs(seed)))  # noqa: E731
+    if mesh.size == 1:
+        # Measured: single-device out_shardings made the CPU train step 2-3x slower than plain jit.
+        with jax.default_device(mesh.devices.flat[0]):
+            state = jax.jit(init)()
+    else:
+        state = jax.jit(init, out_shardings=shardings)()
     model = nnx.merge(graphdef, state)
     return set_activation_shardings(model, mesh, rules)
 

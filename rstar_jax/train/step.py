@@ -128,6 +128,10 @@ def compute_logprobs(model, batch, chunk_size: int = 1024, temperature=1.0):
 
 def shard_batch(batch: dict, mesh: jax.sharding.Mesh, batch_axes=("data", "fsdp")) -> dict:
     """Places [M, B, T] arrays with rows split over the data-parallel mesh axes."""
+    if mesh.size == 1:
+        # Measured on XLA:CPU: committed inputs (device_put, NamedSharding) made the same step 3-4x
+        # slower than default-placed arrays; on one device they are equivalent.
+        return {k: jnp.asarray(v) for k, v in batch.items()}
     axes = tuple(a for a in batch_axes if mesh.shape[a] > 1)
     spec = jax.sharding.PartitionSpec(None, axes or None, None)
     sharding = jax.sharding.NamedSharding(mesh, spec)
