@@ -247,7 +247,8 @@ def check_mesh(config: ml_collections.ConfigDict, device_count: int) -> tuple[in
         fixed *= s if s != -1 else 1
     if -1 in sizes:
         if device_count % fixed:
-            raise ConfigError(f"config.mesh: {device_count} devices are not divisible by the fixed axes' product {fixed}")
+            raise ConfigError(f"config.mesh: {device_count} devices are not divisible by the fixed axes' "
+                              f"product {fixed}")
         sizes[sizes.index(-1)] = device_count // fixed
     product = sizes[0] * sizes[1] * sizes[2]
     if product != device_count:

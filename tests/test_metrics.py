@@ -108,12 +108,15 @@ def test_rl_step_stats_by_hand():
                       "response_length": 8, "finish_reason": "no_tool_call"}]
     s = rl_step_stats(trajectories)
     assert s["reward_mean"] == pytest.approx(3 / 5) and s["pass_rate"] == pytest.approx(3 / 5)
-    assert (s["num_groups"], s["groups_kept"], s["groups_dropped_all_correct"], s["groups_dropped_all_wrong"]) == (3, 1, 1, 1)
+    groups = ("num_groups", "groups_kept", "groups_dropped_all_correct", "groups_dropped_all_wrong")
+    assert tuple(s[k] for k in groups) == (3, 1, 1, 1)
     assert s["group_solve_rate"] == pytest.approx(2 / 3)
     assert s["tool_calls_mean"] == pytest.approx(9 / 5)
-    assert s["tool_calls_mean_positive"] == pytest.approx(3 / 3) and s["tool_calls_mean_negative"] == pytest.approx(6 / 2)
+    assert s["tool_calls_mean_positive"] == pytest.approx(3 / 3)
+    assert s["tool_calls_mean_negative"] == pytest.approx(6 / 2)
     assert s["tool_error_rate"] == pytest.approx(5 / 9)
-    assert s["tool_error_rate_positive"] == pytest.approx(1 / 3) and s["tool_error_rate_negative"] == pytest.approx(4 / 6)
+    assert s["tool_error_rate_positive"] == pytest.approx(1 / 3)
+    assert s["tool_error_rate_negative"] == pytest.approx(4 / 6)
     assert s["format_violation_rate"] == pytest.approx(2 / 5)  # answers 0 and 2
     assert s["response_length_mean"] == pytest.approx(80 / 5) and s["response_length_max"] == 30
     assert s["truncation_ratio"] == pytest.approx(1 / 5)
