@@ -52,3 +52,23 @@ def test_analyse_trajectory_zeroes_tool_entropy_and_counts():
     assert rec.entropy[3] == 0.0 and rec.entropy[4] == 0.0
     assert rec.flagged == [False, True, False, False, False, True, False, False, False, False]
     assert rec.counts() == {LABEL_FORKING: 1, LABEL_REFLECTION: 1, LABEL_CODE: 0}
+
+
+def test_trajectory_entropies_equal_full_softmax():
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rstar_jax.analysis.entropy import trajectory_entropies
+    from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
+
+    model = Qwen3(Qwen3Config.tiny(), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    prompt, response = rng.integers(1, 320, 7).tolist(), rng.integers(1, 320, 13).tolist()
+    with jax.default_matmul_precision("highest"):
+        ent = trajectory_entropies(model, prompt, response, chunk_size=5)
+        logits = model(jnp.asarray([prompt + response]))[0]
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    full = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+    # Response token i is predicted at position len(prompt) - 1 + i.
+    np.testing.assert_allclose(ent, np.asarray(full[len(prompt) - 1:len(prompt) - 1 + len(response)]), atol=1e-5)

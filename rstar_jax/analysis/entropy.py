@@ -170,3 +170,25 @@ def analyse_trajectory(
         flagged=flags.tolist(),
         labels=labels,
     )
+
+
+def trajectory_entropies(model, prompt_ids: Sequence[int], response_ids: Sequence[int], *,
+                         chunk_size: int = 1024) -> np.ndarray:
+    """Entropy of the policy's next-token distribution at every response position.
+
+    Position i of the result is the entropy of the distribution that produced response token i
+    (conditioned on the prompt and response[:i]), computed with the chunked pass of
+    `rstar_jax.rl.token_logprobs`, so the [length, vocab] logits are never materialised.
+    """
+    import jax.numpy as jnp
+
+    from rstar_jax.rl.logprobs import token_logprobs
+
+    if len(prompt_ids) == 0 or len(response_ids) == 0:
+        raise ValueError("trajectory_entropies: prompt and response must both be non-empty")
+    tokens = np.concatenate([np.asarray(prompt_ids, np.int32), np.asarray(response_ids, np.int32)])
+    inputs = jnp.asarray(tokens[None, :-1])
+    targets = jnp.asarray(tokens[None, 1:])
+    hidden = model.hidden_states(inputs)
+    _, entropy = token_logprobs(hidden, model.unembedding(), targets, chunk_size=chunk_size, return_entropy=True)
+    return np.asarray(entropy[0, len(prompt_ids) - 1:])
