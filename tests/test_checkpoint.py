@@ -99,6 +99,17 @@ def test_reset_optimizer_max_to_keep_and_errors(mesh, tmp_path):
     with Checkpointer(tmp_path / "empty") as ckpt, pytest.raises(CheckpointError, match="no checkpoint in"):
         ckpt.restore(model=model)
 
+    from rstar_jax.config import REPO_CONFIGS, load_config
+
+    config = load_config(REPO_CONFIGS / "tiny.py", [f"run_dir={tmp_path / 'run'}", "checkpoint.export_hf_every=3"])
+    exports = []
+    with Checkpointer.from_config(config, export_hf=lambda step, path: exports.append(path)) as ckpt:
+        for step in range(1, 7):
+            ckpt.save(step, model=model)
+        assert ckpt.all_steps() == [4, 6]  # tiny: every 2 steps, keep 2
+    assert exports == [tmp_path / "run" / "hf" / "step_6"]  # saves on multiples of 2 and 3
+    assert (tmp_path / "run" / "checkpoints").is_dir()
+
 
 def test_restore_into_abstract_targets_and_mismatch(mesh, tmp_path):
     model, _ = _model_and_optimizer(mesh, seed=0)

@@ -63,9 +63,13 @@ def test_writer_jsonl_tensorboard_and_close(tmp_path):
     assert scalars["lr"] == [(1, pytest.approx(1e-6))]
     assert "stage" not in scalars and "hist" not in scalars
 
-    with MetricsWriter(tmp_path / "only_jsonl", tensorboard=False) as writer:
+    from rstar_jax.config import REPO_CONFIGS, load_config
+
+    config = load_config(REPO_CONFIGS / "tiny.py", [f"run_dir={tmp_path / 'only_jsonl'}", "metrics.tensorboard=false"])
+    with MetricsWriter.from_config(config) as writer:
         writer.write(0, {"a": 1})
     assert not (tmp_path / "only_jsonl" / "tb").exists()
+    assert read_metrics(tmp_path / "only_jsonl")[0]["a"] == 1
 
 
 def test_progress_bar_plain_text_with_eta():

@@ -119,6 +119,15 @@ class Checkpointer:
                                                create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
 
+    @classmethod
+    def from_config(cls, config, *, export_hf: ExportHook | None = None) -> "Checkpointer":
+        """`<run_dir>/checkpoints` with `config.checkpoint` settings; HF exports go to `<run_dir>/hf`."""
+        run_dir = pathlib.Path(config.run_dir)
+        c = config.checkpoint
+        return cls(run_dir / "checkpoints", max_to_keep=c.max_to_keep, async_save=c.async_save,
+                   save_every=c.every_steps, export_hf=export_hf, export_every=c.export_hf_every,
+                   export_dir=run_dir / "hf")
+
     # -- saving ---------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
         return step % self.save_every == 0
@@ -127,8 +136,9 @@ class Checkpointer:
              data_state: dict | None = None, stage: str = "", config: Any = None, force: bool = False) -> bool:
         """Starts an (async) save of everything at `step`; returns whether a save happened.
 
-        Without `force`, saves only on multiples of `save_every`. The HF export hook runs on
-        multiples of `export_every` (synchronously, with the live model).
+        Without `force`, saves only on multiples of `save_every`. The HF export hook runs on the
+        saved steps that are multiples of `export_every` (synchronously, with the live model), so
+        choose `export_every` as a multiple of `save_every`.
         """
         if not force and not self.should_save(step):
             return False

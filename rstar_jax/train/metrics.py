@@ -69,6 +69,10 @@ class MetricsWriter:
             self._tb = SummaryWriter(logdir=str(self.run_dir / "tb"), flush_secs=10)
         self.closed = False
 
+    @classmethod
+    def from_config(cls, config) -> "MetricsWriter":
+        return cls(config.run_dir, tensorboard=config.metrics.tensorboard, jsonl=config.metrics.jsonl)
+
     def write(self, step: int, metrics: Mapping[str, Any], *, prefix: str = "") -> dict:
         """Logs `metrics` at `step`; returns the record written. Numeric scalars go to TensorBoard."""
         if self.closed:
