@@ -376,6 +376,10 @@ def validate(config: ml_collections.ConfigDict, *, check_files: bool = True) -> 
     _positive_int(config, "checkpoint.every_steps")
     _positive_int(config, "checkpoint.max_to_keep")
     _positive_int(config, "checkpoint.export_hf_every", allow_zero=True)
+    export_every, every = config.checkpoint.export_hf_every, config.checkpoint.every_steps
+    _require(export_every % every == 0, "checkpoint.export_hf_every",
+             f"must be 0 or a multiple of checkpoint.every_steps ({every}): exports happen at saves, "
+             f"got {export_every}")
     eval_sets = _strings(config, "eval.files")
     _positive_int(config, "eval.k")
     _range(config, "eval.temperature", 0.0, None)

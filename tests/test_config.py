@@ -156,6 +156,8 @@ def test_bad_overrides_name_the_field(override, message):
     ("sandbox.launch_local=false", r"config.sandbox.targets: tool calls need a sandbox"),
     ("data.train_files=()", r"config.data.train_files: RL needs training problems"),
     ("data.train_files=/does/not/exist.jsonl", r"config.data.train_files: /does/not/exist.jsonl does not exist"),
+    ("checkpoint.export_hf_every=15", r"config.checkpoint.export_hf_every: must be 0 or a multiple of "
+                                      r"checkpoint.every_steps \(10\)"),
     ("model.hf_path=/does/not/exist", r"config.model.hf_path: /does/not/exist does not exist"),
 ])
 def test_invalid_values_are_rejected_naming_the_field(override, message, inputs):
