@@ -169,3 +169,26 @@ def test_resume_continues_exactly_with_data_and_rng(tmp_path):
     assert resumed == expected
     for a, b in zip(_leaves(model) + _leaves(optimizer), _leaves(model2) + _leaves(optimizer2)):
         assert np.array_equal(a, b)
+
+
+def test_modules_holding_typed_rng_keys(tmp_path):
+    class WithRngs(nnx.Module):
+        def __init__(self, seed):
+            self.rngs = nnx.Rngs(seed, dropout=seed + 1)
+            self.linear = nnx.Linear(2, 2, rngs=self.rngs)
+
+    model = WithRngs(0)
+    model.rngs.dropout()  # advance a stream: count 1
+    with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+        ckpt.save(1, model=model)
+    other = WithRngs(5)
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.restore(model=other)
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                nnx.to_pure_dict(nnx.state(model)))
+        pure = ckpt.restore(model=abstract).model_state
+    assert int(other.rngs.dropout.count[...]) == 1
+    for restored in (other.rngs.dropout.key[...], pure["rngs"]["dropout"]["key"]):
+        assert jax.dtypes.issubdtype(restored.dtype, jax.dtypes.prng_key)
+        assert np.array_equal(jax.random.key_data(restored), jax.random.key_data(model.rngs.dropout.key[...]))
+    assert np.array_equal(other.linear.kernel[...], model.linear.kernel[...])

@@ -61,6 +61,10 @@ def abstract_state(tree: Any) -> Any:
     return jax.tree.map(leaf, tree)
 
 
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
 def _pure_state(obj: Any) -> Any:
     """An nnx object or State -> pure nested dict of arrays; any other pytree passes through."""
     if isinstance(obj, nnx.Pytree):
@@ -68,6 +72,32 @@ def _pure_state(obj: Any) -> Any:
     if isinstance(obj, nnx.State):
         return nnx.to_pure_dict(obj)
     return obj
+
+
+def _storable(tree: Any) -> Any:
+    """Typed PRNG keys (e.g. the keys inside nnx.Rngs) become their uint32 key data for storage."""
+    def leaf(x):
+        if not _is_key(x):
+            return x
+        if isinstance(x, jax.ShapeDtypeStruct):
+            data = jax.eval_shape(jax.random.key_data, x)
+            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(x, "sharding", None))
+        return jax.random.key_data(x)
+    return jax.tree.map(leaf, tree)
+
+
+# Key dtype names (str(dtype)) -> PRNG implementation names, for abstract (ShapeDtypeStruct) targets.
+_KEY_IMPLS = {"key<fry>": "threefry2x32", "key<rbg>": "rbg", "key<urbg>": "unsafe_rbg"}
+
+
+def _rekey(target: Any, restored: Any) -> Any:
+    """Wraps restored key data back into typed keys wherever the target holds typed keys."""
+    def leaf(t, r):
+        if not _is_key(t):
+            return r
+        impl = _KEY_IMPLS.get(str(t.dtype)) if isinstance(t, jax.ShapeDtypeStruct) else jax.random.key_impl(t)
+        return jax.random.wrap_key_data(r, impl=impl)
+    return jax.tree.map(leaf, target, restored)
 
 
 def _rng_to_json(rng: jax.Array | None) -> dict | None:
@@ -143,14 +173,14 @@ class Checkpointer:
         if not force and not self.should_save(step):
             return False
         items = {
-            "model": ocp.args.StandardSave(_pure_state(model)),
+            "model": ocp.args.StandardSave(_storable(_pure_state(model))),
             "meta": ocp.args.JsonSave({"step": int(step), "stage": stage, "rng": _rng_to_json(rng),
                                        "has_optimizer": optimizer is not None, "time": time.time()}),
             "data": ocp.args.JsonSave(data_state if data_state is not None else {}),
             "config": ocp.args.JsonSave(_config_to_json(config) or {}),
         }
         if optimizer is not None:
-            items["optimizer"] = ocp.args.StandardSave(_pure_state(optimizer))
+            items["optimizer"] = ocp.args.StandardSave(_storable(_pure_state(optimizer)))
         saved = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         if self.export_hf is not None and self.export_every and step % self.export_every == 0:
             self.export_hf(step, self.export_dir / f"step_{step}")
@@ -180,7 +210,8 @@ class Checkpointer:
                                   f"(available: {self.all_steps()})")
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         metadata = self._manager.item_metadata(step)
-        model_target = abstract_state(_pure_state(model))
+        model_pure = _pure_state(model)
+        model_target = _storable(abstract_state(model_pure))
         _check_target(metadata["model"], model_target, f"{self.directory} step {step} model")
         items = {"model": ocp.args.StandardRestore(model_target),
                  "meta": ocp.args.JsonRestore(), "data": ocp.args.JsonRestore(),
@@ -190,7 +221,8 @@ class Checkpointer:
             if not meta.get("has_optimizer"):
                 raise CheckpointError(f"checkpoint step {step} in {self.directory} has no optimizer state; "
                                       f"restore with reset_optimizer=True to start a fresh optimizer")
-            optimizer_target = abstract_state(_pure_state(optimizer))
+            optimizer_pure = _pure_state(optimizer)
+            optimizer_target = _storable(abstract_state(optimizer_pure))
             _check_target(metadata["optimizer"], optimizer_target, f"{self.directory} step {step} optimizer")
             items["optimizer"] = ocp.args.StandardRestore(optimizer_target)
         try:
@@ -198,11 +230,11 @@ class Checkpointer:
         except (ValueError, KeyError) as e:
             raise CheckpointError(f"checkpoint step {step} in {self.directory} does not match the restore "
                                   f"target: {e}") from None
-        model_state = restored["model"]
+        model_state = _rekey(model_pure, restored["model"])
         _write_back(model, model_state)
         optimizer_state = None
         if want_optimizer:
-            optimizer_state = restored["optimizer"]
+            optimizer_state = _rekey(optimizer_pure, restored["optimizer"])
             _write_back(optimizer, optimizer_state)
         return RestoredState(step=int(meta["step"]), stage=meta.get("stage", ""), rng=_rng_from_json(meta.get("rng")),
                              data_state=restored["data"] or None, config=restored["config"] or None,
