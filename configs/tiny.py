@@ -24,7 +24,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.remat_policy = "none"
     c.model.attention_impl = "xla"
-    c.model.overrides.max_position_embeddings = 4096  # room for the ~1.6K-byte rStar2 prompt
+    c.model.overrides.max_position_embeddings = 4096  # room for the ~2.3K-byte rStar2 prompt
 
     c.tokenizer.kind = "byte"
 
@@ -37,16 +37,16 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.rollouts_per_prompt = 4
     c.rollout.max_turns = 2
     c.rollout.response_budget = 256
-    # The rStar2 system prompt and tools block alone are ~1.6K bytes: one token each here.
-    c.rollout.max_prompt_length = 2048
+    # The rStar2 system prompt, tools block and user prefix are ~2.3K bytes: one token each here.
+    c.rollout.max_prompt_length = 2560
     c.rollout.observation_max_chars = 64
     c.rollout.max_concurrency = 8
     c.rollout.engine.slots = 8
-    c.rollout.engine.max_length = 2304
+    c.rollout.engine.max_length = 2816
 
     c.rl.group_size = 2
     c.rl.logprob_chunk_size = 256
-    c.rl.micro_batch_tokens = 4608
+    c.rl.micro_batch_tokens = 5632  # two whole trajectories
 
     c.optim.lr = 1e-4  # a random tiny model needs a far larger step than the 14B recipe
     c.optim.warmup_steps = 1
@@ -59,7 +59,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.epochs = 1
     c.sft.lr = 3e-3
     c.sft.batch_size = 8
-    c.sft.max_length = 2560
+    c.sft.max_length = 3584  # prompt plus a solved tool-call conversation
 
     c.sandbox.launch_local = True
     c.sandbox.workers = 2
