@@ -360,6 +360,8 @@ def validate(config: ml_collections.ConfigDict, *, check_files: bool = True) -> 
     _enum(config, "sft.schedule", LR_SCHEDULES)
     _positive_int(config, "sft.batch_size")
     _positive_int(config, "sft.max_length")
+    _require(config.sft.max_length <= model.max_position_embeddings, "sft.max_length",
+             f"exceeds the model's max_position_embeddings {model.max_position_embeddings}")
     sft_files = _strings(config, "sft.train_files")
 
     # Sandbox, checkpoints, eval.

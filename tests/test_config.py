@@ -156,6 +156,7 @@ def test_bad_overrides_name_the_field(override, message):
     ("sandbox.launch_local=false", r"config.sandbox.targets: tool calls need a sandbox"),
     ("data.train_files=()", r"config.data.train_files: RL needs training problems"),
     ("data.train_files=/does/not/exist.jsonl", r"config.data.train_files: /does/not/exist.jsonl does not exist"),
+    ("sft.max_length=50000", r"config.sft.max_length: exceeds the model's max_position_embeddings 40960"),
     ("checkpoint.export_hf_every=15", r"config.checkpoint.export_hf_every: must be 0 or a multiple of "
                                       r"checkpoint.every_steps \(10\)"),
     ("model.hf_path=/does/not/exist", r"config.model.hf_path: /does/not/exist does not exist"),
