@@ -103,6 +103,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.group_size = 16  # spec §5.3: RoC keeps 16 of 32
     c.rl.roc_variant = "paper"  # "paper" (spec §1.4) | "release" (spec §1.3)
     c.rl.roc_epsilon = 1e-3  # paper variant: weight 1 / (p_total + epsilon)
+    c.rl.roc_min_per_class = 2  # spec §1.3: release variant keeps at least 2 negatives and 2 positives
     c.rl.clip_low = 0.2  # spec §5.3: clip 0.2 / 0.28 (clip-higher)
     c.rl.clip_high = 0.28
     c.rl.dual_clip = config_dict.placeholder(float)  # None = off; verl's clip_ratio_c is 3.0

@@ -329,6 +329,7 @@ def validate(config: ml_collections.ConfigDict, *, check_files: bool = True) -> 
              f"group_size of the rollouts, got {config.rl.group_size}")
     _enum(config, "rl.roc_variant", ROC_VARIANTS)
     _range(config, "rl.roc_epsilon", 0.0, None, low_open=True)
+    _positive_int(config, "rl.roc_min_per_class", allow_zero=True)
     _range(config, "rl.clip_low", 0.0, 1.0, high_open=True)
     _range(config, "rl.clip_high", 0.0, None)
     if config.rl.dual_clip is not None:
