@@ -94,6 +94,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.observation_style = "release"  # "release" | "paper" (spec §2.3)
     # spec §6.9: the original truncation length is unspecified; this bound is our choice.
     c.rollout.observation_max_chars = 4096
+    c.rollout.max_tool_calls_per_turn = 1  # spec §6.9: the release executes only the first call
     c.rollout.max_concurrency = 512  # trajectories in flight
     c.rollout.engine = ml_collections.ConfigDict()  # in-process JaxEngine
     c.rollout.engine.slots = 64  # concurrent sequences in the KV cache
