@@ -303,7 +303,8 @@ def validate(config: ml_collections.ConfigDict, *, check_files: bool = True) -> 
     _enum(config, "rollout.scheduler", SCHEDULERS)
     _enum(config, "rollout.observation_style", OBSERVATION_STYLES)
     for field in ("rollouts_per_prompt", "max_turns", "response_budget", "max_prompt_length",
-                  "observation_max_chars", "max_tool_calls_per_turn", "max_concurrency", "engine.slots", "engine.max_length"):
+                  "observation_max_chars", "max_tool_calls_per_turn", "max_concurrency", "engine.slots",
+                  "engine.max_length"):
         _positive_int(config, f"rollout.{field}")
     _range(config, "rollout.temperature", 0.0, None, low_open=True)
     _range(config, "rollout.top_p", 0.0, 1.0, low_open=True)
