@@ -13,6 +13,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from rstar_jax.config import DEFAULT_CONFIG, ConfigError, validate
+from rstar_jax.config import model_config as config_model
 
 _CONFIG = config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG), "Path to a config file (get_config()).",
                                           lock_config=True)
@@ -27,22 +28,18 @@ def run_demo(config) -> dict:
 
     from rstar_jax.model.generate import greedy_generate
     from rstar_jax.model.hf import load_pretrained, save_pretrained
-    from rstar_jax.model.qwen3 import Qwen3Config
     from rstar_jax.parallel import create_sharded_model, make_mesh
 
     run_dir = pathlib.Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    model_config = Qwen3Config.preset(config.model.preset, dtype=config.model.dtype,
-                                      param_dtype=config.model.param_dtype,
-                                      remat_policy=config.model.remat_policy,
-                                      attention_impl=config.model.attention_impl)
+    model_config = config_model(config)
     mesh = make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor)
     print(f"[demo] {jax.device_count()} device(s), mesh {dict(mesh.shape)}; "
           f"model {config.model.preset}: {model_config.num_params:,} parameters")
     t0 = time.perf_counter()
-    model = create_sharded_model(model_config, mesh, seed=config.seed)
+    model = create_sharded_model(model_config, mesh, tuple(map(tuple, config.mesh.rules)), seed=config.seed)
     hf_dir = save_pretrained(model, run_dir / "hf")
-    reloaded = load_pretrained(hf_dir, mesh=mesh)
+    reloaded = load_pretrained(hf_dir, mesh=mesh, rules=tuple(map(tuple, config.mesh.rules)))
     for name in type(model).LAYER_PARAMS + ("embed", "final_norm"):
         if not np.array_equal(np.asarray(getattr(model, name)[...]), np.asarray(getattr(reloaded, name)[...])):
             raise RuntimeError(f"export/reload round trip changed parameter {name}")
