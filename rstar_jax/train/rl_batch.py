@@ -1,0 +1,88 @@
+"""From rewarded trajectories to a training batch: RoC -> advantages -> micro-batches (host side).
+
+This is the part of an RL step between rollout and the jitted update (rStar2-Agent §1.2 steps 4-7):
+all-equal groups are dropped without refill, RoC keeps G rollouts per remaining group, advantages
+are computed over the kept rollouts only, and the kept trajectories are laid into fixed-shape
+micro-batches. A step whose groups were all dropped yields no batch and is skipped by the trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from rstar_jax.rl.advantages import group_advantages
+from rstar_jax.rl.roc import RocConfig, RocResult, paper_penalty, release_penalty_from_text, resample_on_correct
+from rstar_jax.rollout.trajectory import Trajectory
+from rstar_jax.train.batching import TrainingSequence, bucket_length, make_micro_batches
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchConfig:
+    rows: int  # sequences (padded) or packed rows per micro-batch
+    row_length: int  # tokens per row (prompt + response - 1 for the largest sequence)
+    packed: bool = True
+    round_micro_batches_to: int = 1  # pad the micro-batch count to a multiple (fewer recompiles)
+    use_sampler_logprobs: bool = True  # old log-probs from the sampler (else recomputed by the caller)
+
+
+@dataclasses.dataclass
+class PreparedBatch:
+    batch: dict[str, np.ndarray] | None  # [M, rows, row_length] arrays, None when every group was dropped
+    kept: list[Trajectory]
+    advantages: np.ndarray  # per kept trajectory
+    roc: RocResult
+
+    @property
+    def skipped(self) -> bool:
+        return self.batch is None
+
+
+def penalties_for(trajectories: Sequence[Trajectory], variant: str, decode=None) -> np.ndarray:
+    """RoC penalties: the paper's from execution statistics, or the release's from decoded text."""
+    if variant == "paper":
+        return paper_penalty([t.n_tool_calls for t in trajectories], [t.n_tool_errors for t in trajectories],
+                             [t.n_answer_tags for t in trajectories], [max(t.n_turns, 1) for t in trajectories])
+    if decode is None:
+        raise ValueError("penalties_for: the release variant needs `decode(ids) -> text` (special tokens kept)")
+    return release_penalty_from_text([decode(t.response_ids) for t in trajectories])
+
+
+def prepare_batch(trajectories: Sequence[Trajectory], roc_config: RocConfig, batch_config: BatchConfig,
+                  *, decode=None) -> PreparedBatch:
+    if not trajectories:
+        raise ValueError("prepare_batch: no trajectories")
+    for i, t in enumerate(trajectories):
+        t.check()
+        if not t.response_ids:
+            raise ValueError(f"prepare_batch: trajectory {i} (group {t.group_id}) has an empty response")
+    rewards = np.asarray([t.reward for t in trajectories], np.float64)
+    groups = np.asarray([t.group_id for t in trajectories])
+    roc = resample_on_correct(rewards, groups, penalties_for(trajectories, roc_config.variant, decode), roc_config)
+    if len(roc.kept_indices) == 0:
+        return PreparedBatch(None, [], np.zeros(0, np.float32), roc)
+    kept = [trajectories[i] for i in roc.kept_indices]
+    advantages = group_advantages(rewards[roc.kept_indices], groups[roc.kept_indices])
+    sequences = [
+        TrainingSequence(
+            prompt_ids=t.prompt_ids, response_ids=t.response_ids, loss_mask=t.loss_mask, advantage=float(a),
+            old_logprobs=t.sampler_logprobs if batch_config.use_sampler_logprobs else None)
+        for t, a in zip(kept, advantages)
+    ]
+    batch = make_micro_batches(sequences, rows=batch_config.rows, row_length=batch_config.row_length,
+                               packed=batch_config.packed, round_micro_batches_to=batch_config.round_micro_batches_to)
+    # The sampler's log-probs stay available for the drift metric even when π_old is recomputed.
+    if not batch_config.use_sampler_logprobs:
+        sampler = make_micro_batches(
+            [dataclasses.replace(s, old_logprobs=t.sampler_logprobs) for s, t in zip(sequences, kept)],
+            rows=batch_config.rows, row_length=batch_config.row_length, packed=batch_config.packed,
+            round_micro_batches_to=batch_config.round_micro_batches_to)
+        batch["sampler_logprobs"] = sampler["old_logprobs"]
+    return PreparedBatch(batch, kept, advantages, roc)
+
+
+def row_length_for(max_prompt_length: int, response_budget: int, multiple: int = 128) -> int:
+    """A row fits the longest possible sequence (inputs are one token shorter than the sequence)."""
+    return bucket_length(max_prompt_length + response_budget - 1, multiple)
