@@ -1,0 +1,181 @@
+"""Binary answer reward: extract the final answer and verify it against the gold answer.
+
+Extraction (rStar2 spec §1.6): the last `\\boxed{}` (or `\\fbox{}`) inside the `<answer>` block;
+fallbacks: the last `\\boxed{}` anywhere, then an "answer is X" phrase. Verification: exact match
+after normalisation, else math-verify (its signal-based timeouts disabled, since it may run off the
+main thread). A truncated trajectory scores 0 (the paper gives truncated rollouts no reward).
+
+Verification of a model's answer can hang in sympy, so the rollout loop never runs it in the event
+loop: `VerifierPool` runs it in worker processes with a hard deadline, killing and replacing a
+worker that overruns (the call then scores 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import re
+import threading
+from typing import Callable
+
+_ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_ANSWER_IS = re.compile(r"answer is[:\s]*\$?([^\n$]+?)\$?(?:[.\n]|$)", re.IGNORECASE)
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...} / \\fbox{...}, braces balanced."""
+    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
+    for start in reversed(starts):
+        depth, i = 1, start
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            return text[start:i - 1].strip()
+    return None
+
+
+def extract_answer(text: str) -> str | None:
+    blocks = _ANSWER_BLOCK.findall(text)
+    if blocks:
+        boxed = _last_boxed(blocks[-1])
+        if boxed is not None:
+            return boxed
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    matches = _ANSWER_IS.findall(text)
+    if matches:
+        return matches[-1].strip()
+    if blocks and blocks[-1].strip():
+        return blocks[-1].strip()
+    return None
+
+
+def normalize(answer: str) -> str:
+    s = answer.strip().strip("$").strip()
+    s = re.sub(r"\\(?:text|mathrm|textbf)\{([^}]*)\}", r"\1", s)
+    s = s.replace("\\!", "").replace("\\,", "").replace("\\ ", "").replace(" ", "")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\left", "").replace("\\right", "")
+    s = s.rstrip(".")
+    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
+        s = s.replace(",", "")
+    if re.fullmatch(r"-?\d+\.0+", s):
+        s = s.split(".")[0]
+    return s
+
+
+def is_equivalent(prediction: str, gold: str) -> bool:
+    """Normalised string match, else math-verify (no internal timeouts: callers enforce one)."""
+    if normalize(prediction) == normalize(gold):
+        return True
+    from math_verify import parse, verify
+
+    gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=None)
+    pred_parsed = parse(f"\\boxed{{{prediction}}}", parsing_timeout=None)
+    if not gold_parsed or not pred_parsed:
+        return False
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+
+
+def score(response_text: str, gold_answer: str, *, truncated: bool = False) -> float:
+    """1.0 when the response's final answer verifies against the gold answer, else 0.0."""
+    if truncated:
+        return 0.0
+    answer = extract_answer(response_text)
+    if answer is None:
+        return 0.0
+    return 1.0 if is_equivalent(answer, gold_answer) else 0.0
+
+
+# -- hard-timeout verification in worker processes ------------------------------------------------
+
+def _worker(conn, score_fn) -> None:
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            return
+        if job is None:
+            return
+        text, gold = job
+        try:
+            conn.send(("ok", score_fn(text, gold)))
+        except Exception as e:  # a verifier crash scores 0 but is reported
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class _Worker:
+    def __init__(self, ctx, score_fn):
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker, args=(child, score_fn), daemon=True)
+        self.process.start()
+        child.close()
+
+    def kill(self) -> None:
+        self.process.kill()
+        self.process.join(timeout=5)
+        self.conn.close()
+
+
+class VerifierPool:
+    """Scores responses in `workers` processes; a call past `timeout_s` is killed and scores 0."""
+
+    def __init__(self, workers: int = 2, timeout_s: float = 10.0, start_method: str = "spawn",
+                 score_fn: Callable[[str, str], float] = score):
+        """score_fn must be a picklable top-level function (it runs in the workers)."""
+        if workers < 1:
+            raise ValueError(f"VerifierPool.workers must be >= 1, got {workers}")
+        self.timeout_s = timeout_s
+        self._ctx = mp.get_context(start_method)
+        self._score_fn = score_fn
+        self._idle: list[_Worker] = [_Worker(self._ctx, score_fn) for _ in range(workers)]
+        self._available = threading.Semaphore(workers)
+        self._lock = threading.Lock()
+        self.timeouts = 0
+        self.errors = 0
+
+    def score_blocking(self, response_text: str, gold_answer: str, *, truncated: bool = False) -> float:
+        if truncated:
+            return 0.0
+        self._available.acquire()
+        with self._lock:
+            worker = self._idle.pop()
+        try:
+            worker.conn.send((response_text, gold_answer))
+            if worker.conn.poll(self.timeout_s):
+                status, value = worker.conn.recv()
+                if status == "ok":
+                    return float(value)
+                self.errors += 1
+                return 0.0
+            self.timeouts += 1
+            worker.kill()
+            worker = _Worker(self._ctx, self._score_fn)
+            return 0.0
+        finally:
+            with self._lock:
+                self._idle.append(worker)
+            self._available.release()
+
+    async def score(self, response_text: str, gold_answer: str, *, truncated: bool = False) -> float:
+        return await asyncio.to_thread(self.score_blocking, response_text, gold_answer, truncated=truncated)
+
+    def close(self) -> None:
+        with self._lock:
+            for worker in self._idle:
+                try:
+                    worker.conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+                worker.kill()
+            self._idle.clear()
+
+    def __enter__(self) -> "VerifierPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+ScoreFn = Callable[[str, str], float]

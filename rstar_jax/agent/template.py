@@ -1,0 +1,137 @@
+"""The rStar2-Agent chat protocol as token ids: prompt, tools block, tool responses.
+
+Strings follow the released training template character for character (rStar2 spec §2.1–2.2): the
+system prompt with <reason>/<answer> instructions, a Hermes-style tools block, the user prefix that
+demands <answer> and \\boxed{}, and a generation prompt that forces `<reason>`. The conversation is
+built by appending encoded pieces, never by re-tokenizing it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Sequence
+
+from rstar_jax.agent.tokenizer import IM_END, IM_START, Tokenizer
+
+DEFAULT_TOOL_NAME = "python_code_with_standard_io"
+
+SYSTEM_PROMPT = (
+    "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. "
+    "The Assistant first thinks about the reasoning process in the mind and then provides the User with the "
+    "answer. The reasoning process is enclosed within <reason> </reason> and answer is enclosed within "
+    "<answer> </answer> tags, respectively, i.e., <reason> reasoning process here </reason> <answer> answer "
+    "here </answer>."
+)
+TOOLS_HEADER = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_FOOTER = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+USER_PREFIX = (
+    "You must put your answer inside <answer> </answer> tags, i.e., <answer> answer here </answer>. "
+    "And your final answer will be extracted automatically by the \\boxed{} tag.\nThis is the problem:\n"
+)
+GENERATION_PROMPT = f"{IM_START}assistant\n<reason>"
+
+TOOL_DESCRIPTION = (
+    "Execute Python code with standard input and capture standard output. This function takes a Python code "
+    "string and an input string, provides the input string through standard input (stdin) to the code, and "
+    "captures and returns any output produced through standard output (stdout). If the executed code raises an "
+    "exception, the error message will be captured and returned instead."
+)
+CODE_DESCRIPTION = "A string containing Python code to be executed. The code can read from standard input using the input() function."
+INPUT_DESCRIPTION = "A string that will be provided as standard input to the code when it calls input()."
+
+
+def python_tool_schema(name: str = DEFAULT_TOOL_NAME) -> dict:
+    """The release's tool schema (python_tool_config.yaml), keys in its order."""
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": TOOL_DESCRIPTION,
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "code": {"type": "string", "description": CODE_DESCRIPTION},
+                    "input": {"type": "string", "description": INPUT_DESCRIPTION},
+                },
+                "required": ["code", "input"],
+            },
+        },
+    }
+
+
+def tool_json(schema: dict) -> str:
+    # transformers' chat-template `tojson`: json.dumps with default separators, keys unsorted,
+    # non-ASCII kept.
+    return json.dumps(schema, ensure_ascii=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+    tool_name: str = DEFAULT_TOOL_NAME
+    system_prompt: str = SYSTEM_PROMPT
+
+    @property
+    def tools(self) -> list[dict]:
+        return [python_tool_schema(self.tool_name)]
+
+    def system_text(self) -> str:
+        tools = "".join("\n" + tool_json(t) for t in self.tools)
+        return f"{IM_START}system\n{self.system_prompt}{TOOLS_HEADER}{tools}{TOOLS_FOOTER}{IM_END}\n"
+
+    def user_text(self, question: str) -> str:
+        return f"{IM_START}user\n{USER_PREFIX}{question}{IM_END}\n"
+
+    def render_prompt(self, question: str) -> str:
+        """The whole prompt text, ending in the forced `<|im_start|>assistant\\n<reason>`."""
+        return self.system_text() + self.user_text(question) + GENERATION_PROMPT
+
+    def prompt_ids(self, tokenizer: Tokenizer, question: str) -> list[int]:
+        return (tokenizer.encode(self.system_text()) + tokenizer.encode(self.user_text(question))
+                + tokenizer.encode(GENERATION_PROMPT))
+
+    @staticmethod
+    def tool_response_text(observation: str) -> str:
+        return (f"{IM_START}user\n<tool_response>\n{observation}\n</tool_response>{IM_END}\n"
+                f"{GENERATION_PROMPT}")
+
+    def tool_response_ids(self, tokenizer: Tokenizer, observation: str) -> list[int]:
+        """Ids appended after a tool call (loss mask 0), ending in the next turn's forced `<reason>`."""
+        return (tokenizer.encode(f"{IM_START}user\n<tool_response>\n") + tokenizer.encode(observation)
+                + tokenizer.encode(f"\n</tool_response>{IM_END}\n") + tokenizer.encode(GENERATION_PROMPT))
+
+    def sft_segments(self, messages: Sequence[dict]) -> list[tuple[str, bool]]:
+        """Renders a solved conversation as (text, trained) segments for SFT.
+
+        messages: user question, then alternating assistant / tool messages. Assistant content is
+        trained (with its closing `<|im_end|>`); everything else, including the forced `<reason>`
+        that opens each assistant turn, is context.
+        """
+        if not messages or messages[0].get("role") != "user":
+            raise ValueError("sft_segments: a conversation must start with a user message")
+        segments: list[tuple[str, bool]] = [(self.system_text() + self.user_text(messages[0]["content"]), False)]
+        previous = "user"
+        for i, message in enumerate(messages[1:], start=1):
+            role, content = message.get("role"), message.get("content")
+            if not isinstance(content, str):
+                raise ValueError(f"sft_segments: message {i} has no string content")
+            if role == "assistant":
+                if previous == "user":
+                    segments.append((GENERATION_PROMPT, False))
+                segments.append((content + IM_END, True))
+            elif role == "tool":
+                if previous != "assistant":
+                    raise ValueError(f"sft_segments: tool message {i} does not follow an assistant turn")
+                segments.append((self.tool_response_text(content), False))
+                role = "tool"
+            else:
+                raise ValueError(f"sft_segments: message {i} has unsupported role {role!r}")
+            previous = role
+        return segments

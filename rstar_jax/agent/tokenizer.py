@@ -1,0 +1,123 @@
+"""Tokenizers with one interface: Hugging Face `tokenizer.json` for real models, bytes for tiny ones.
+
+The byte tokenizer maps bytes to ids 0..255 and the ChatML specials to the ids after them, so a
+tiny model can learn the exact rStar2 protocol strings without a trained vocabulary. Special
+tokens are recognised as whole strings when encoding.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+from typing import Protocol, Sequence
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+CHATML_SPECIALS = (ENDOFTEXT, IM_START, IM_END)
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    eos_id: int  # <|im_end|>: ends an assistant turn
+    pad_id: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def token_to_id(self, token: str) -> int: ...
+
+
+class ByteTokenizer:
+    """Bytes 0..255, then the ChatML specials; vocab padded to a multiple of 64 (320)."""
+
+    def __init__(self, specials: Sequence[str] = CHATML_SPECIALS, pad_to_multiple: int = 64):
+        self.specials = tuple(specials)
+        self._special_ids = {s: 256 + i for i, s in enumerate(self.specials)}
+        self._id_to_special = {i: s for s, i in self._special_ids.items()}
+        raw = 256 + len(self.specials)
+        self.vocab_size = -(-raw // pad_to_multiple) * pad_to_multiple
+        self._split = re.compile("(" + "|".join(re.escape(s) for s in self.specials) + ")")
+        self.eos_id = self._special_ids[IM_END]
+        self.pad_id = self._special_ids[ENDOFTEXT]
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece in self._split.split(text):
+            if not piece:
+                continue
+            if piece in self._special_ids:
+                ids.append(self._special_ids[piece])
+            else:
+                ids.extend(piece.encode("utf-8"))
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        out: list[str] = []
+        buf = bytearray()
+        for i in ids:
+            i = int(i)
+            if i < 256:
+                buf.append(i)
+                continue
+            out.append(buf.decode("utf-8", errors="replace"))
+            buf = bytearray()
+            if i in self._id_to_special:
+                if not skip_special_tokens:
+                    out.append(self._id_to_special[i])
+            elif not skip_special_tokens:
+                out.append(f"<|unused_{i}|>")  # padding ids the model may still sample
+        out.append(buf.decode("utf-8", errors="replace"))
+        return "".join(out)
+
+    def token_to_id(self, token: str) -> int:
+        if token in self._special_ids:
+            return self._special_ids[token]
+        raw = token.encode("utf-8")
+        if len(raw) == 1:
+            return raw[0]
+        raise KeyError(f"{token!r} is not a single token of the byte tokenizer")
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` through the `tokenizers` library (no transformers needed)."""
+
+    def __init__(self, path: str | os.PathLike):
+        from tokenizers import Tokenizer as _Tokenizer
+
+        path = pathlib.Path(path)
+        file = path / "tokenizer.json" if path.is_dir() else path
+        if not file.exists():
+            raise FileNotFoundError(f"tokenizer file {file} does not exist")
+        self._tok = _Tokenizer.from_file(str(file))
+        for special in (IM_START, IM_END):
+            if self._tok.token_to_id(special) is None:
+                raise ValueError(f"{file}: the tokenizer has no {special!r} token (a ChatML vocabulary is required)")
+        self.eos_id = self._tok.token_to_id(IM_END)
+        pad = self._tok.token_to_id(ENDOFTEXT)
+        self.pad_id = pad if pad is not None else self.eos_id
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int:
+        tid = self._tok.token_to_id(token)
+        if tid is None:
+            raise KeyError(f"{token!r} is not in the tokenizer's vocabulary")
+        return tid
+
+
+def load_tokenizer(kind: str, path: str | os.PathLike | None = None) -> Tokenizer:
+    if kind == "byte":
+        return ByteTokenizer()
+    if kind == "hf":
+        if not path:
+            raise ValueError("an hf tokenizer needs a path (tokenizer.json or its directory)")
+        return HFTokenizer(path)
+    raise ValueError(f"unknown tokenizer kind {kind!r}; expected 'byte' or 'hf'")
