@@ -102,10 +102,17 @@ class ChatTemplate:
         return (f"{IM_START}user\n<tool_response>\n{observation}\n</tool_response>{IM_END}\n"
                 f"{GENERATION_PROMPT}")
 
-    def tool_response_ids(self, tokenizer: Tokenizer, observation: str) -> list[int]:
-        """Ids appended after a tool call (loss mask 0), ending in the next turn's forced `<reason>`."""
-        return (tokenizer.encode(f"{IM_START}user\n<tool_response>\n") + tokenizer.encode(observation)
-                + tokenizer.encode(f"\n</tool_response>{IM_END}\n") + tokenizer.encode(GENERATION_PROMPT))
+    def tool_response_ids(self, tokenizer: Tokenizer, observation: str | Sequence[str]) -> list[int]:
+        """Ids appended after a turn's tool calls (loss mask 0), ending in the next forced `<reason>`.
+
+        Several observations (several calls in one turn) each get their own <tool_response> block
+        inside the one user message, as the release's template renders consecutive tool messages.
+        """
+        observations = [observation] if isinstance(observation, str) else list(observation)
+        ids = tokenizer.encode(f"{IM_START}user")
+        for obs in observations:
+            ids += tokenizer.encode("\n<tool_response>\n") + tokenizer.encode(obs) + tokenizer.encode("\n</tool_response>")
+        return ids + tokenizer.encode(f"{IM_END}\n") + tokenizer.encode(GENERATION_PROMPT)
 
     def sft_segments(self, messages: Sequence[dict]) -> list[tuple[str, bool]]:
         """Renders a solved conversation as (text, trained) segments for SFT.

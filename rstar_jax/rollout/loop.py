@@ -1,0 +1,145 @@
+"""One multi-turn trajectory: generate -> parse tool call -> execute in the sandbox -> observe.
+
+Token bookkeeping (rStar2 spec §2.3, §6.5): the conversation grows by appending ids — sampled ids
+with loss mask 1 and their sampler log-probs, observation ids (including the forced `<reason>` of
+the next turn) with mask 0 — and is never re-tokenized. Model and tool tokens share one response
+budget; an observation that would reach the budget is not appended and the trajectory stops, so it
+never ends on a user turn.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+from typing import Any, Awaitable, Callable, Protocol
+
+from rstar_jax.agent.stats import PARSE_ERROR, count_answer_tags, is_tool_error
+from rstar_jax.agent.template import ChatTemplate
+from rstar_jax.agent.tokenizer import Tokenizer
+from rstar_jax.agent.tool_calls import ToolCallError, format_observation, parse_tool_calls
+from rstar_jax.rollout.protocol import FINISH_ABORT, FINISH_LENGTH, Generator, SamplingParams, Scheduler
+from rstar_jax.rollout.trajectory import (
+    STOP_ABORTED,
+    STOP_BUDGET,
+    STOP_MAX_TURNS,
+    STOP_NO_TOOL_CALL,
+    Trajectory,
+)
+
+
+class ToolExecutor(Protocol):
+    """Runs untrusted code (the sandbox client). The result has status, stdout, stderr, duration_s."""
+
+    async def execute(self, code: str, stdin: str = "", **kwargs) -> Any: ...
+
+
+Scorer = Callable[..., Awaitable[float]]  # async (model_text, gold, truncated=...) -> reward
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    max_turns: int = 10  # assistant turns (T = 10 in RL stages 1-2, spec §5.3)
+    response_budget: int = 8192  # model + tool tokens
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    tool_name: str = "python_code_with_standard_io"
+    max_calls_per_turn: int = 1
+    observation_style: str = "release"
+    observation_max_chars: int = 256
+    tool_timeout_s: float | None = None
+
+    def __post_init__(self):
+        if self.max_turns < 1:
+            raise ValueError(f"LoopConfig.max_turns must be >= 1, got {self.max_turns}")
+        if self.response_budget < 1:
+            raise ValueError(f"LoopConfig.response_budget must be >= 1, got {self.response_budget}")
+
+
+_rid_counter = itertools.count()
+
+
+def _new_rid() -> str:
+    # Fixed width: SGLang aborts by rid prefix, so no rid may be a prefix of another.
+    return f"{next(_rid_counter):016x}"
+
+
+async def run_trajectory(
+    generator: Generator | None,
+    tokenizer: Tokenizer,
+    template: ChatTemplate,
+    executor: ToolExecutor,
+    scorer: Scorer,
+    question: str,
+    gold_answer: str,
+    config: LoopConfig,
+    *,
+    group_id: int = 0,
+    sample_index: int = 0,
+    scheduler: Scheduler | None = None,
+) -> Trajectory:
+    prompt_ids = template.prompt_ids(tokenizer, question)
+    traj = Trajectory(prompt_ids=prompt_ids, group_id=group_id, sample_index=sample_index, question=question,
+                      gold_answer=gold_answer)
+    rid = _new_rid()
+    if scheduler is not None:
+        lease = scheduler.lease(rid, len(prompt_ids) + config.response_budget)
+    else:
+        if generator is None:
+            raise ValueError("run_trajectory needs a generator or a scheduler")
+        lease = contextlib.nullcontext(generator)
+    model_text: list[str] = []
+    async with lease as gen:
+        while True:
+            remaining = config.response_budget - len(traj.response_ids)
+            sampling = SamplingParams(max_new_tokens=remaining, temperature=config.temperature, top_p=config.top_p,
+                                      top_k=config.top_k, stop_token_ids=(tokenizer.eos_id,))
+            result = await gen.generate(prompt_ids + traj.response_ids, sampling, rid)
+            traj.response_ids += list(result.token_ids)
+            traj.loss_mask += [1] * len(result.token_ids)
+            traj.sampler_logprobs += [float(x) for x in result.logprobs]
+            traj.policy_versions += [result.weight_version] * len(result.token_ids)
+            traj.n_turns += 1
+            turn_text = tokenizer.decode(result.token_ids)
+            model_text.append(turn_text)
+            if result.finish_reason == FINISH_ABORT:
+                traj.finish_reason = STOP_ABORTED
+                break
+            if result.finish_reason == FINISH_LENGTH or len(traj.response_ids) >= config.response_budget:
+                traj.finish_reason, traj.truncated = STOP_BUDGET, True
+                break
+            calls = parse_tool_calls(turn_text, tool_names=(config.tool_name,), max_calls=config.max_calls_per_turn)
+            if not calls:
+                traj.finish_reason = STOP_NO_TOOL_CALL
+                break
+            if traj.n_turns >= config.max_turns:
+                traj.finish_reason = STOP_MAX_TURNS  # the turn limit: no further turn can use a result
+                break
+            observations = []
+            for call in calls:
+                if isinstance(call, ToolCallError):
+                    status, obs = PARSE_ERROR, format_observation(call, max_chars=config.observation_max_chars)
+                else:
+                    kwargs = {"timeout_s": config.tool_timeout_s} if config.tool_timeout_s else {}
+                    res = await executor.execute(call.code, call.stdin, **kwargs)
+                    status = res.status
+                    obs = format_observation(res, style=config.observation_style, max_chars=config.observation_max_chars)
+                traj.n_tool_calls += 1
+                traj.n_tool_errors += int(is_tool_error(status))
+                traj.tool_statuses.append(status)
+                observations.append(obs)
+            obs_ids = template.tool_response_ids(tokenizer, observations)
+            if len(traj.response_ids) + len(obs_ids) >= config.response_budget:
+                traj.finish_reason, traj.truncated = STOP_BUDGET, True
+                break
+            traj.response_ids += obs_ids
+            traj.loss_mask += [0] * len(obs_ids)
+            traj.sampler_logprobs += [0.0] * len(obs_ids)
+            traj.policy_versions += [-1] * len(obs_ids)
+    text = "".join(model_text)
+    traj.n_answer_tags = count_answer_tags(text)
+    traj.extra["model_text"] = text
+    traj.reward = await scorer(text, gold_answer, truncated=traj.truncated)
+    traj.check()
+    return traj

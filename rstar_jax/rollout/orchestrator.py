@@ -1,0 +1,65 @@
+"""Launches G' trajectories per prompt with bounded concurrency and streams finished groups.
+
+Every trajectory is its own asyncio task (no per-turn barrier across the batch); a group is yielded
+as soon as its last trajectory finishes. Leaving the iteration early or cancelling the consumer
+cancels every outstanding trajectory and waits for it, so no task or sandbox call is leaked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Sequence
+
+from rstar_jax.rollout.trajectory import Trajectory
+
+
+class Orchestrator:
+    def __init__(self, run_one, *, max_concurrency: int = 64):
+        """run_one(question, gold, group_id, sample_index) -> awaitable Trajectory."""
+        if max_concurrency < 1:
+            raise ValueError(f"Orchestrator.max_concurrency must be >= 1, got {max_concurrency}")
+        self._run_one = run_one
+        self._semaphore = asyncio.Semaphore(max_concurrency)
+        self.in_flight = 0
+        self.peak_in_flight = 0
+
+    async def _one(self, question, gold, group_id, index) -> Trajectory:
+        async with self._semaphore:
+            self.in_flight += 1
+            self.peak_in_flight = max(self.peak_in_flight, self.in_flight)
+            try:
+                return await self._run_one(question, gold, group_id, index)
+            finally:
+                self.in_flight -= 1
+
+    async def groups(self, prompts: Sequence[tuple[str, str]], samples_per_prompt: int,
+                     first_group_id: int = 0) -> AsyncIterator[list[Trajectory]]:
+        """Yields each prompt's trajectories (ordered by sample index) as soon as all have finished."""
+
+        async def group(gid, question, gold):
+            tasks = [asyncio.ensure_future(self._one(question, gold, gid, i)) for i in range(samples_per_prompt)]
+            try:
+                return await asyncio.gather(*tasks)
+            except BaseException:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                raise
+
+        pending = {asyncio.ensure_future(group(first_group_id + k, q, a)) for k, (q, a) in enumerate(prompts)}
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    yield list(task.result())
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def collect(self, prompts: Sequence[tuple[str, str]], samples_per_prompt: int,
+                      first_group_id: int = 0) -> list[Trajectory]:
+        out: list[Trajectory] = []
+        async for g in self.groups(prompts, samples_per_prompt, first_group_id):
+            out.extend(g)
+        return sorted(out, key=lambda t: (t.group_id, t.sample_index))

@@ -1,0 +1,176 @@
+"""The multi-turn rollout loop and orchestrator with a scripted generator and a fake executor.
+
+The generator is a test double implementing the Generator protocol (a scripted model); the capability
+against the real sandbox and engine is exercised by the end-to-end tests.
+"""
+
+import asyncio
+import dataclasses
+import json
+
+import pytest
+
+from rstar_jax.agent.template import ChatTemplate
+from rstar_jax.agent.tokenizer import IM_END, ByteTokenizer
+from rstar_jax.rollout.loop import LoopConfig, run_trajectory
+from rstar_jax.rollout.orchestrator import Orchestrator
+from rstar_jax.rollout.protocol import Capacity, GenerateResult
+from rstar_jax.rollout.trajectory import STOP_BUDGET, STOP_MAX_TURNS, STOP_NO_TOOL_CALL
+
+TOK = ByteTokenizer()
+TEMPLATE = ChatTemplate()
+
+
+def call(code: str) -> str:
+    return "<tool_call>\n" + json.dumps({"name": "python_code_with_standard_io", "arguments": {"code": code}}) + "\n</tool_call>"
+
+
+class ScriptedGenerator:
+    """Replays scripted assistant turns; log-prob of the k-th emitted token is -(k + 1) / 1000."""
+
+    name = "scripted"
+
+    def __init__(self, turns_for):
+        self.turns_for = turns_for  # question -> list of turn texts
+        self.calls = 0
+        self.emitted = 0
+
+    async def generate(self, input_ids, sampling, rid=None):
+        self.calls += 1
+        question_marker = TOK.decode(input_ids)
+        question = next(q for q in self.turns_for if q in question_marker)
+        turn = question_marker.count("<|im_start|>assistant") - 1
+        ids = TOK.encode(self.turns_for[question][turn])
+        finish = "stop"
+        if len(ids) > sampling.max_new_tokens:
+            ids, finish = ids[:sampling.max_new_tokens], "length"
+        await asyncio.sleep(0.001)
+        logprobs = [-(self.emitted + k + 1) / 1000 for k in range(len(ids))]
+        self.emitted += len(ids)
+        return GenerateResult(ids, logprobs, finish, weight_version=3)
+
+    async def capacity(self):
+        return Capacity(total_tokens=1 << 20)
+
+    async def abort(self, rid):
+        pass
+
+    @property
+    def version(self):
+        return 3
+
+
+@dataclasses.dataclass
+class Result:
+    status: str
+    stdout: str = ""
+    stderr: str = ""
+    duration_s: float = 0.01
+
+
+class FakeExecutor:
+    def __init__(self):
+        self.calls = []
+
+    async def execute(self, code, stdin="", **kw):
+        self.calls.append(code)
+        await asyncio.sleep(0.001)
+        if "sleep" in code:
+            return Result("timeout")
+        if "1/0" in code:
+            return Result("runtime_error", stderr="ZeroDivisionError: division by zero")
+        return Result("ok", stdout="42\n")
+
+
+async def exact_scorer(text, gold, truncated=False):
+    return 0.0 if truncated else float(f"\\boxed{{{gold}}}" in text)
+
+
+def _run(turns, budget=4096, max_turns=5, question="Q1"):
+    gen = ScriptedGenerator({question: turns})
+    ex = FakeExecutor()
+    cfg = LoopConfig(max_turns=max_turns, response_budget=budget, observation_max_chars=64)
+    traj = asyncio.run(run_trajectory(gen, TOK, TEMPLATE, ex, exact_scorer, question, "42", cfg))
+    return traj, gen, ex
+
+
+def test_two_turn_bookkeeping():
+    turns = [f"Let me compute. {call('print(6*7)')}{IM_END}", f"It is 42.</reason><answer>\\boxed{{42}}</answer>{IM_END}"]
+    traj, gen, ex = _run(turns)
+    assert traj.finish_reason == STOP_NO_TOOL_CALL and traj.reward == 1.0 and not traj.truncated
+    assert traj.n_turns == 2 and traj.n_tool_calls == 1 and traj.n_tool_errors == 0 and traj.n_answer_tags == 1
+    sampled = sum(len(TOK.encode(t)) for t in turns)
+    assert sum(traj.loss_mask) == sampled == gen.emitted
+    # The response is turn 1, the observation block (mask 0, ending in the forced <reason>), turn 2.
+    obs_ids = TEMPLATE.tool_response_ids(TOK, "Tool call success\nstdout: 42\n\nexecution time: 0.01s")
+    n1 = len(TOK.encode(turns[0]))
+    assert traj.response_ids[n1:n1 + len(obs_ids)] == obs_ids
+    assert traj.loss_mask[n1:n1 + len(obs_ids)] == [0] * len(obs_ids)
+    assert TOK.decode(traj.response_ids[n1 + len(obs_ids) - 8:n1 + len(obs_ids)]) == "<reason>"
+    # Sampler log-probs line up with the sampled tokens, in order.
+    lps = [lp for lp, m in zip(traj.sampler_logprobs, traj.loss_mask) if m]
+    assert lps == [-(k + 1) / 1000 for k in range(sampled)]
+    assert all(v == 3 for v, m in zip(traj.policy_versions, traj.loss_mask) if m)
+    assert ex.calls == ["print(6*7)"]
+
+
+def test_errors_are_counted_by_status_and_parse_errors_observed():
+    turns = [call("import time; time.sleep(10)") + IM_END, call("1/0") + IM_END,
+             "<tool_call>{not json}</tool_call>" + IM_END, call("print(42)") + IM_END,
+             "</reason><answer>\\boxed{42}</answer>" + IM_END]
+    traj, _, ex = _run(turns, max_turns=10)
+    assert traj.tool_statuses == ["timeout", "runtime_error", "parse_error", "ok"]
+    assert traj.n_tool_calls == 4 and traj.n_tool_errors == 3 and traj.reward == 1.0
+    assert len(ex.calls) == 3  # the malformed call never reached the executor
+    assert "Failed to decode tool call" in TOK.decode(traj.response_ids)
+
+
+def test_turn_limit_and_budget():
+    loop_forever = [call("print(1)") + IM_END] * 10
+    traj, _, _ = _run(loop_forever, max_turns=3)
+    assert traj.finish_reason == STOP_MAX_TURNS and traj.n_turns == 3 and traj.n_tool_calls == 2
+    for budget in (30, 150, 260):
+        traj, _, _ = _run(loop_forever, budget=budget, max_turns=10)
+        assert len(traj.response_ids) <= budget
+        assert traj.finish_reason == STOP_BUDGET and traj.truncated and traj.reward == 0.0
+        # Never ends on a user turn: the last token is a sampled one.
+        assert traj.loss_mask[-1] == 1
+
+
+def test_truncated_answer_scores_zero():
+    answer = "</reason><answer>\\boxed{42}</answer>" + IM_END
+    traj, _, _ = _run([answer], budget=len(TOK.encode(answer)) - 1)
+    assert traj.truncated and traj.reward == 0.0
+
+
+def test_orchestrator_64_concurrent_trajectories_and_cancellation():
+    questions = {f"Question number {i}?": [call(f"print({i})") + IM_END,
+                                           f"</reason><answer>\\boxed{{{42 if i % 2 else 7}}}</answer>" + IM_END]
+                 for i in range(16)}
+    gen = ScriptedGenerator(questions)
+    ex = FakeExecutor()
+    cfg = LoopConfig(max_turns=5, response_budget=2048)
+
+    async def one(q, gold, gid, idx):
+        return await run_trajectory(gen, TOK, TEMPLATE, ex, exact_scorer, q, gold, cfg, group_id=gid, sample_index=idx)
+
+    orch = Orchestrator(one, max_concurrency=64)
+    prompts = [(q, "42") for q in questions]
+    trajs = asyncio.run(orch.collect(prompts, samples_per_prompt=4))
+    assert len(trajs) == 64 and orch.peak_in_flight <= 64 and orch.peak_in_flight > 8
+    for t in trajs:
+        t.check()
+        assert sum(t.loss_mask) == sum(len(TOK.encode(x)) for x in questions[t.question])
+        assert t.reward == (1.0 if int(t.question.split()[2][:-1]) % 2 else 0.0)
+    assert len(ex.calls) == 64
+
+    async def cancel_early():
+        slow = Orchestrator(one, max_concurrency=4)
+        async for group in slow.groups(prompts, samples_per_prompt=4):
+            break  # leaving early cancels the rest
+        await asyncio.sleep(0.05)
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        return len(group), others
+
+    n, leftover = asyncio.run(cancel_early())
+    assert n == 4 and leftover == []
