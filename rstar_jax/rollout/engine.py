@@ -1,0 +1,297 @@
+"""In-process JAX generation engine with continuous batching over a preallocated KV cache.
+
+A fixed number of decode slots share one KV cache ([layers, slots, max_length, kv_heads, head_dim]).
+A background thread runs the engine loop: it admits waiting requests into free slots (prefill of
+that slot's row, prompt lengths bucketed to limit recompiles) and then runs one jitted decode step
+for every slot, so new requests are prefilled while others decode. Per-slot sampling settings are
+arrays (temperature, top-p, top-k are traced, never static). The asyncio front
+(`await engine.generate(...)`) implements `rstar_jax.rollout.protocol.Generator`.
+
+Log-probs: each returned log-prob is log-softmax of the model's raw logits (temperature 1, no top-p /
+top-k truncation) at the sampled token, i.e. what the trainer recomputes at temperature 1, so the
+sampler-vs-trainer drift metric compares like with like.
+
+Weight updates (`update_weights`) swap the parameters between two engine steps and bump the
+version. Requests in flight either continue on the new weights (their result reports the version
+that finished them) or, with `abort_in_flight=True`, finish at once with reason "abort" and their
+partial tokens — the two behaviours of SGLang's pause modes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import queue
+import threading
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rstar_jax.model.qwen3 import KVCache, Qwen3
+from rstar_jax.rollout.protocol import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Capacity, GenerateResult, SamplingParams
+
+MAX_STOP_IDS = 8
+
+
+def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array):
+    """Per-row sampling from logits [B, V] with per-row temperature / top-p / top-k ([B] each).
+
+    temperature < 1e-6 or top_k == 1 is greedy. top_k <= 0 disables top-k. Returns token ids [B].
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    greedy = (temperature < 1e-6) | (top_k == 1)
+    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
+    order = jnp.argsort(-scaled, axis=-1)
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+    ranks = jnp.arange(vocab)[None, :]
+    k = jnp.where(top_k > 0, top_k, vocab)[:, None]
+    probs = jax.nn.softmax(sorted_logits, axis=-1)
+    cumulative = jnp.cumsum(probs, axis=-1)
+    # Keep a token while the mass before it is below top_p (the first token always stays).
+    keep = (ranks < k) & ((cumulative - probs) < top_p[:, None])
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    choice = jax.random.categorical(key, masked, axis=-1)
+    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
+    return jnp.where(greedy, order[:, 0], sampled).astype(jnp.int32)
+
+
+@dataclasses.dataclass
+class _Request:
+    rid: str
+    prompt: list[int]
+    sampling: SamplingParams
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    aborted: bool = False
+    submitted: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+class JaxEngine:
+    """Continuous-batching generator over a Qwen3 model. Thread-safe; asyncio front end."""
+
+    name = "jax"
+
+    def __init__(self, model: Qwen3, *, slots: int = 8, max_length: int = 2048,
+                 prefill_buckets: Sequence[int] = (64, 128, 256, 512, 1024, 2048, 4096, 8192),
+                 seed: int = 0, cache_dtype: str | None = None):
+        if slots < 1 or max_length < 2:
+            raise ValueError(f"JaxEngine: slots ({slots}) must be >= 1 and max_length ({max_length}) >= 2")
+        self.slots = slots
+        self.max_length = max_length
+        self.buckets = sorted({min(b, max_length) for b in prefill_buckets} | {max_length})
+        self._graphdef, self._state = nnx.split(model)
+        self._cache = model.init_cache(slots, max_length, cache_dtype)
+        self._key = jax.random.key(seed)
+        self._version = 0
+        self._waiting: queue.Queue[_Request] = queue.Queue()
+        self._active: list[_Request | None] = [None] * slots
+        self._positions = np.zeros(slots, np.int32)  # next position to write per slot
+        self._last_token = np.zeros(slots, np.int32)
+        self._lock = threading.RLock()  # held for a whole engine step and for weight swaps
+        self._wake = threading.Event()
+        self._stopped = False
+        self._abort_rids: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name="jax-engine", daemon=True)
+        self._rid_counter = itertools.count()
+        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
+        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
+        self.steps = 0
+        self._thread.start()
+
+    # -- jitted kernels -----------------------------------------------------------------------
+    def _prefill_fn(self, state, cache: KVCache, slot, ids, length, key, temperature, top_p, top_k):
+        model = nnx.merge(self._graphdef, state)
+        row = KVCache(k=jax.lax.dynamic_slice_in_dim(cache.k, slot, 1, axis=1),
+                      v=jax.lax.dynamic_slice_in_dim(cache.v, slot, 1, axis=1))
+        positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
+        logits, row = model.forward_with_cache(ids, positions, row)
+        cache = KVCache(k=jax.lax.dynamic_update_slice_in_dim(cache.k, row.k, slot, axis=1),
+                        v=jax.lax.dynamic_update_slice_in_dim(cache.v, row.v, slot, axis=1))
+        last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, axis=0, keepdims=True)  # [1, V]
+        token = sample_tokens(last, key, temperature[None], top_p[None], top_k[None])
+        logprob = jnp.take_along_axis(jax.nn.log_softmax(last, axis=-1), token[:, None], axis=-1)[0, 0]
+        return cache, token[0], logprob
+
+    def _decode_fn(self, state, cache: KVCache, tokens, positions, key, temperature, top_p, top_k):
+        model = nnx.merge(self._graphdef, state)
+        logits, cache = model.forward_with_cache(tokens[:, None], positions[:, None], cache)
+        logits = logits[:, 0]
+        next_tokens = sample_tokens(logits, key, temperature, top_p, top_k)
+        logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), next_tokens[:, None], axis=-1)[:, 0]
+        return cache, next_tokens, logprobs
+
+    # -- public API ---------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None) -> GenerateResult:
+        if self._stopped:
+            raise RuntimeError("JaxEngine is closed")
+        prompt = [int(t) for t in input_ids]
+        if not prompt:
+            raise ValueError("generate: input_ids must be non-empty")
+        if len(prompt) >= self.max_length:
+            raise ValueError(f"generate: prompt of {len(prompt)} tokens does not fit max_length {self.max_length}")
+        if len(sampling.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"generate: at most {MAX_STOP_IDS} stop token ids, got {len(sampling.stop_token_ids)}")
+        loop = asyncio.get_running_loop()
+        request = _Request(rid or f"{next(self._rid_counter):016x}", prompt, sampling, loop.create_future(), loop)
+        self._waiting.put(request)
+        self._wake.set()
+        try:
+            return await asyncio.shield(request.future)
+        except asyncio.CancelledError:
+            self._abort_rids.add(request.rid)  # free the slot; the caller is gone
+            raise
+
+    async def abort(self, rid: str) -> None:
+        """Aborts requests whose rid starts with `rid` (SGLang's prefix semantics)."""
+        self._abort_rids.add(rid)
+        self._wake.set()
+
+    async def capacity(self) -> Capacity:
+        with self._lock:
+            running = [r for r in self._active if r is not None]
+            used = int(sum(self._positions[i] for i, r in enumerate(self._active) if r is not None))
+        return Capacity(total_tokens=self.slots * self.max_length, used_tokens=used,
+                        running_requests=len(running), queued_requests=self._waiting.qsize())
+
+    def update_weights(self, model_or_state, *, abort_in_flight: bool = False, version: int | None = None) -> int:
+        """Swaps in new parameters between engine steps; returns the new version."""
+        state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
+        shardings = jax.tree.map(lambda x: x.sharding, self._state)
+        new_state = jax.device_put(state, shardings)  # reshard when the trainer's mesh differs
+        with self._lock:
+            if jax.tree.structure(new_state) != jax.tree.structure(self._state):
+                raise ValueError("update_weights: the new parameters do not match the engine's model structure")
+            self._state = new_state
+            self._version = self._version + 1 if version is None else version
+            if abort_in_flight:
+                for slot, request in enumerate(self._active):
+                    if request is not None:
+                        self._finish(slot, FINISH_ABORT)
+        return self._version
+
+    def close(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # -- engine loop (background thread) ------------------------------------------------------
+    def _next_key(self):
+        self._key, key = jax.random.split(self._key)
+        return key
+
+    def _resolve(self, request: _Request, reason: str) -> None:
+        result = GenerateResult(list(request.tokens), list(request.logprobs), reason, self._version)
+        request.loop.call_soon_threadsafe(lambda: request.future.done() or request.future.set_result(result))
+
+    def _finish(self, slot: int, reason: str) -> None:
+        request = self._active[slot]
+        self._active[slot] = None
+        self._positions[slot] = 0
+        self._resolve(request, reason)
+
+    def _check_stop(self, slot: int) -> None:
+        request = self._active[slot]
+        s = request.sampling
+        if request.tokens[-1] in s.stop_token_ids:
+            self._finish(slot, FINISH_STOP)
+        elif len(request.tokens) >= s.max_new_tokens or self._positions[slot] + 1 >= self.max_length:
+            # The sequence (prompt + output) fills the cache: the last token could not be fed back.
+            self._finish(slot, FINISH_LENGTH)
+
+    def _apply_aborts(self) -> None:
+        if not self._abort_rids:
+            return
+        taken, self._abort_rids = self._abort_rids, set()  # swap: an add from another thread is never lost
+        prefixes = tuple(taken)
+        for slot, request in enumerate(self._active):
+            if request is not None and request.rid.startswith(prefixes):
+                self._finish(slot, FINISH_ABORT)
+        kept = []
+        while True:
+            try:
+                request = self._waiting.get_nowait()
+            except queue.Empty:
+                break
+            if request.rid.startswith(prefixes):
+                self._resolve(request, FINISH_ABORT)
+            else:
+                kept.append(request)
+        for request in kept:
+            self._waiting.put(request)
+
+    def _admit(self) -> None:
+        for slot in range(self.slots):
+            if self._active[slot] is not None:
+                continue
+            try:
+                request = self._waiting.get_nowait()
+            except queue.Empty:
+                return
+            n = len(request.prompt)
+            bucket = next(b for b in self.buckets if b >= n)
+            ids = np.zeros((1, bucket), np.int32)
+            ids[0, :n] = request.prompt
+            s = request.sampling
+            self._cache, token, logprob = self._prefill(
+                self._state, self._cache, jnp.int32(slot), jnp.asarray(ids), jnp.int32(n), self._next_key(),
+                jnp.float32(s.temperature), jnp.float32(s.top_p), jnp.int32(s.top_k))
+            self._active[slot] = request
+            self._positions[slot] = n
+            request.tokens.append(int(token))
+            request.logprobs.append(float(logprob))
+            self._last_token[slot] = int(token)
+            self._check_stop(slot)
+
+    def _decode_step(self) -> None:
+        active = [i for i, r in enumerate(self._active) if r is not None]
+        if not active:
+            return
+        temperature = np.ones(self.slots, np.float32)
+        top_p = np.ones(self.slots, np.float32)
+        top_k = np.zeros(self.slots, np.int32)
+        positions = np.full(self.slots, self.max_length, np.int32)  # idle slots: writes are dropped
+        for i in active:
+            s = self._active[i].sampling
+            temperature[i], top_p[i], top_k[i] = s.temperature, s.top_p, s.top_k
+            positions[i] = self._positions[i]
+        self._cache, tokens, logprobs = self._decode(
+            self._state, self._cache, jnp.asarray(self._last_token), jnp.asarray(positions), self._next_key(),
+            jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k))
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        for i in active:
+            request = self._active[i]
+            request.tokens.append(int(tokens[i]))
+            request.logprobs.append(float(logprobs[i]))
+            self._positions[i] += 1
+            self._last_token[i] = tokens[i]
+            self._check_stop(i)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            with self._lock:
+                self._apply_aborts()
+                self._admit()
+                self._decode_step()
+                self.steps += 1
+                busy = any(r is not None for r in self._active) or not self._waiting.empty()
+            if not busy:
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+        with self._lock:
+            for slot, request in enumerate(self._active):
+                if request is not None:
+                    self._finish(slot, FINISH_ABORT)
+            while not self._waiting.empty():
+                self._resolve(self._waiting.get_nowait(), FINISH_ABORT)

@@ -1,0 +1,154 @@
+"""JaxEngine: greedy equals full-forward argmax, continuous batching, sampling, weight updates, aborts."""
+
+import asyncio
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
+from rstar_jax.rollout.engine import JaxEngine, sample_tokens
+from rstar_jax.rollout.protocol import Generator, SamplingParams
+
+CONFIG = Qwen3Config.tiny()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return Qwen3(CONFIG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    eng = JaxEngine(model, slots=2, max_length=96, prefill_buckets=(16, 32))
+    yield eng
+    eng.close()
+
+
+def _prompt(n, seed):
+    return np.random.default_rng(seed).integers(1, CONFIG.vocab_size, n).tolist()
+
+
+def _reference(model, prompt, n):
+    seq, logprobs = list(prompt), []
+    with jax.default_matmul_precision("highest"):
+        for _ in range(n):
+            logits = model(jnp.asarray([seq]))[0, -1]
+            token = int(jnp.argmax(logits))
+            logprobs.append(float(jax.nn.log_softmax(logits)[token]))
+            seq.append(token)
+    return seq[len(prompt):], logprobs
+
+
+def test_engine_implements_the_generator_protocol(engine):
+    assert isinstance(engine, Generator)
+
+
+def test_greedy_matches_full_forward_argmax_and_logprobs(model, engine):
+    prompt = _prompt(11, 0)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+    result = asyncio.run(engine.generate(prompt, greedy))
+    tokens, logprobs = _reference(model, prompt, 8)
+    assert result.token_ids == tokens and result.finish_reason == "length"
+    np.testing.assert_allclose(result.logprobs, logprobs, atol=1e-5)
+
+
+def test_continuous_batching_equals_each_alone(model, engine):
+    """Five requests on two slots: queueing, interleaving and slot reuse leave outputs unchanged."""
+    prompts = [_prompt(n, 10 + n) for n in (5, 17, 9, 30, 3)]
+    params = [SamplingParams(max_new_tokens=m, temperature=0.0) for m in (6, 3, 9, 4, 7)]
+
+    async def together():
+        return await asyncio.gather(*[engine.generate(p, s) for p, s in zip(prompts, params)])
+
+    results = asyncio.run(together())
+    for p, s, r in zip(prompts, params, results):
+        tokens, _ = _reference(model, p, s.max_new_tokens)
+        assert r.token_ids == tokens
+
+
+def test_stop_tokens_and_context_limit(model, engine):
+    prompt = _prompt(8, 3)
+    tokens, _ = _reference(model, prompt, 5)
+    stop = SamplingParams(max_new_tokens=50, temperature=0.0, stop_token_ids=(tokens[2],))
+    r = asyncio.run(engine.generate(prompt, stop))
+    assert r.finish_reason == "stop" and r.token_ids == tokens[:tokens.index(tokens[2]) + 1]
+    long = asyncio.run(engine.generate(_prompt(90, 4), SamplingParams(max_new_tokens=50, temperature=0.0)))
+    assert long.finish_reason == "length" and len(long.token_ids) == 96 - 90
+    with pytest.raises(ValueError, match="does not fit"):
+        asyncio.run(engine.generate(_prompt(96, 5), SamplingParams(max_new_tokens=2)))
+
+
+def test_sampling_distribution_chi_square():
+    logits = jnp.log(jnp.asarray([[0.05, 0.1, 0.15, 0.3, 0.4]]))
+    n = 4000
+    keys = jax.random.split(jax.random.key(0), n)
+
+    def draw(temperature, top_p, top_k):
+        f = jax.vmap(lambda k: sample_tokens(logits, k, jnp.asarray([temperature]), jnp.asarray([top_p]),
+                                             jnp.asarray([top_k]))[0])
+        return np.bincount(np.asarray(f(keys)), minlength=5)
+
+    base = np.asarray([0.05, 0.1, 0.15, 0.3, 0.4])
+    cases = {
+        (1.0, 1.0, -1): base,
+        (0.5, 1.0, -1): base ** 2 / np.sum(base ** 2),  # temperature 0.5 squares the probabilities
+        (1.0, 1.0, 2): np.asarray([0, 0, 0, 0.3, 0.4]) / 0.7,
+        (1.0, 0.65, -1): np.asarray([0, 0, 0, 0.3, 0.4]) / 0.7,  # mass before token 3 is 0.4 < 0.65
+    }
+    for (t, p, k), expected in cases.items():
+        counts = draw(t, p, k)
+        support = expected > 0
+        assert counts[~support].sum() == 0, (t, p, k)
+        _, pvalue = stats.chisquare(counts[support], expected[support] * n)
+        assert pvalue > 1e-3, (t, p, k, counts)
+    assert draw(0.0, 1.0, -1)[4] == n  # greedy
+
+
+def test_weight_update_changes_outputs_and_bumps_version(model):
+    eng = JaxEngine(model, slots=2, max_length=64, prefill_buckets=(16,))
+    try:
+        prompt = _prompt(7, 6)
+        greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+        before = asyncio.run(eng.generate(prompt, greedy))
+        other = Qwen3(CONFIG, rngs=nnx.Rngs(1))
+        assert eng.update_weights(other) == 1 and eng.version == 1
+        after = asyncio.run(eng.generate(prompt, greedy))
+        assert after.weight_version == 1 and before.weight_version == 0
+        assert after.token_ids == _reference(other, prompt, 6)[0] != before.token_ids
+
+        async def abort_during():
+            task = asyncio.ensure_future(eng.generate(prompt, SamplingParams(max_new_tokens=60, temperature=0.0)))
+            await asyncio.sleep(0.3)
+            eng.update_weights(model, abort_in_flight=True)
+            return await task
+
+        aborted = asyncio.run(abort_during())
+        assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 57
+        assert len(aborted.logprobs) == len(aborted.token_ids)
+    finally:
+        eng.close()
+
+
+def test_abort_by_rid_prefix(engine):
+    """Aborts (prefix match) of a running and of a queued request return their partial tokens."""
+
+    async def run():
+        running = asyncio.ensure_future(engine.generate(_prompt(5, 8), SamplingParams(max_new_tokens=80, temperature=0.0),
+                                                        rid="abcd0001"))
+        while not any(r is not None and r.rid == "abcd0001" for r in engine._active):
+            await asyncio.sleep(0.001)
+        with engine._lock:  # freeze the engine between two steps
+            await engine.abort("abcd")
+            queued = asyncio.ensure_future(engine.generate(_prompt(5, 9), SamplingParams(max_new_tokens=5),
+                                                           rid="abce0002"))
+            await asyncio.sleep(0.01)
+            await engine.abort("abce")
+        return await running, await queued
+
+    running, queued = asyncio.run(run())
+    assert running.finish_reason == "abort" and 1 <= len(running.token_ids) < 80
+    assert queued.finish_reason == "abort" and queued.token_ids == []
