@@ -179,3 +179,41 @@ def test_verifier_pool_times_out_without_blocking_others():
         # The killed worker was replaced: the pool still answers.
         assert pool.score_blocking("is 7", "7") == 1.0
         assert elapsed < 30  # bounded by the 1 s deadline, not the 60 s hang
+
+
+def test_allowed_specials_and_im_end_id():
+    literal = ByteTokenizer(allowed_specials=(IM_START,))
+    ids = literal.encode(f"{IM_START}a{IM_END}")
+    assert ids[0] == 257 and ids[1:] == list(f"a{IM_END}".encode()) and literal.im_end_id == literal.eos_id == 258
+    assert ByteTokenizer(allowed_specials=()).encode(IM_START) == list(IM_START.encode())
+    with pytest.raises(ValueError, match="allowed_specials"):
+        ByteTokenizer(allowed_specials=("<tool_call>",))
+
+
+def test_sandbox_scorer_and_make_scorer():
+    import asyncio
+
+    from rstar_jax.agent.reward import SandboxScorer, make_scorer
+
+    class Verdict:
+        def __init__(self, correct):
+            self.correct, self.status, self.extracted = correct, "ok", None
+
+    class FakeClient:
+        def __init__(self):
+            self.calls = []
+
+        async def verify(self, text, gold, timeout_s=None):
+            self.calls.append((text, gold, timeout_s))
+            return Verdict(gold in text)
+
+    client = FakeClient()
+    scorer = make_scorer("sandbox", timeout_s=3.0, sandbox_client=client)
+    assert isinstance(scorer, SandboxScorer)
+    assert asyncio.run(scorer("\\boxed{7}", "7")) == 1.0 and asyncio.run(scorer("\\boxed{8}", "7")) == 0.0
+    assert asyncio.run(scorer("\\boxed{7}", "7", truncated=True)) == 0.0
+    assert client.calls == [("\\boxed{7}", "7", 3.0), ("\\boxed{8}", "7", 3.0)]  # truncated: no RPC
+    with pytest.raises(ValueError, match="sandbox_client"):
+        make_scorer("sandbox")
+    with pytest.raises(ValueError, match="mode"):
+        make_scorer("remote")

@@ -15,6 +15,7 @@ from rstar_jax.agent.tokenizer import IM_END, ByteTokenizer
 from rstar_jax.rollout.loop import LoopConfig, run_trajectory
 from rstar_jax.rollout.orchestrator import Orchestrator
 from rstar_jax.rollout.protocol import Capacity, GenerateResult
+from rstar_jax.agent.stats import trajectory_stats
 from rstar_jax.rollout.trajectory import STOP_BUDGET, STOP_MAX_TURNS, STOP_NO_TOOL_CALL
 
 TOK = ByteTokenizer()
@@ -34,6 +35,8 @@ class ScriptedGenerator:
         self.turns_for = turns_for  # question -> list of turn texts
         self.calls = 0
         self.emitted = 0
+        self.aborted = []
+        self.delay_s = 0.001
 
     async def generate(self, input_ids, sampling, rid=None):
         self.calls += 1
@@ -44,7 +47,7 @@ class ScriptedGenerator:
         finish = "stop"
         if len(ids) > sampling.max_new_tokens:
             ids, finish = ids[:sampling.max_new_tokens], "length"
-        await asyncio.sleep(0.001)
+        await asyncio.sleep(self.delay_s)
         logprobs = [-(self.emitted + k + 1) / 1000 for k in range(len(ids))]
         self.emitted += len(ids)
         return GenerateResult(ids, logprobs, finish, weight_version=3)
@@ -53,7 +56,7 @@ class ScriptedGenerator:
         return Capacity(total_tokens=1 << 20)
 
     async def abort(self, rid):
-        pass
+        self.aborted.append(rid)
 
     @property
     def version(self):
@@ -90,7 +93,7 @@ def _run(turns, budget=4096, max_turns=5, question="Q1"):
     gen = ScriptedGenerator({question: turns})
     ex = FakeExecutor()
     cfg = LoopConfig(max_turns=max_turns, response_budget=budget, observation_max_chars=64)
-    traj = asyncio.run(run_trajectory(gen, TOK, TEMPLATE, ex, exact_scorer, question, "42", cfg))
+    traj = asyncio.run(run_trajectory(gen, TOK, ex, question, "42", config=cfg, scorer=exact_scorer))
     return traj, gen, ex
 
 
@@ -152,7 +155,8 @@ def test_orchestrator_64_concurrent_trajectories_and_cancellation():
     cfg = LoopConfig(max_turns=5, response_budget=2048)
 
     async def one(q, gold, gid, idx):
-        return await run_trajectory(gen, TOK, TEMPLATE, ex, exact_scorer, q, gold, cfg, group_id=gid, sample_index=idx)
+        return await run_trajectory(gen, TOK, ex, q, gold, config=cfg, scorer=exact_scorer, template=TEMPLATE,
+                                    group_id=gid, sample_index=idx)
 
     orch = Orchestrator(one, max_concurrency=64)
     prompts = [(q, "42") for q in questions]
@@ -174,3 +178,80 @@ def test_orchestrator_64_concurrent_trajectories_and_cancellation():
 
     n, leftover = asyncio.run(cancel_early())
     assert n == 4 and leftover == []
+
+
+def test_trajectory_stats_paper_beside_release_counting():
+    # A runtime error whose stderr says "Error" and a success that prints the word "error": the paper's
+    # counting goes by status (1 error), the release's by substring (2 "errors").
+    turns = [call("1/0") + IM_END, call("print('error')") + IM_END,
+             "</reason><answer>\\boxed{42}</answer>" + IM_END]
+    gen = ScriptedGenerator({"Q": turns})
+
+    class Ex(FakeExecutor):
+        async def execute(self, code, stdin="", **kw):
+            return Result("ok", stdout="error\n") if "print" in code else await super().execute(code, stdin)
+
+    cfg = LoopConfig(max_turns=5, response_budget=4096)
+    traj = asyncio.run(run_trajectory(gen, TOK, Ex(), "Q", "42", config=cfg, scorer=exact_scorer))
+    stats = trajectory_stats(traj, TOK)
+    assert (stats["n_turns"], stats["n_tool_calls"], stats["n_tool_errors"], stats["n_answer_tags"]) == (3, 2, 1, 1)
+    assert stats["finish_reason"] == STOP_NO_TOOL_CALL and stats["sampled_tokens"] == gen.emitted
+    assert stats["release"]["n_tool_responses"] == 2 and stats["release"]["n_error_responses"] == 2
+    assert stats["release"]["n_later_turns"] == 2  # the release's regex misses the first turn
+
+
+class RecordingScheduler:
+    def __init__(self, generator):
+        self.generator = generator
+        self.leases = []
+        self.held = 0
+
+    def lease(self, trajectory_id, reserve_tokens):
+        scheduler = self
+
+        class _Lease:
+            async def __aenter__(self):
+                scheduler.leases.append((trajectory_id, reserve_tokens))
+                scheduler.held += 1
+                return scheduler.generator
+
+            async def __aexit__(self, *exc):
+                scheduler.held -= 1
+
+        return _Lease()
+
+
+def test_scheduler_lease_held_for_the_whole_trajectory():
+    turns = [call("print(1)") + IM_END, "</reason><answer>\\boxed{42}</answer>" + IM_END]
+    gen = ScriptedGenerator({"Q": turns})
+    sched = RecordingScheduler(gen)
+    cfg = LoopConfig(max_turns=5, response_budget=1000)
+    traj = asyncio.run(run_trajectory(None, TOK, FakeExecutor(), "Q", "42", config=cfg, scorer=exact_scorer,
+                                      scheduler=sched))
+    assert len(sched.leases) == 1 and sched.held == 0 and gen.calls == 2
+    assert sched.leases[0][1] == len(traj.prompt_ids) + 1000
+    with pytest.raises(ValueError, match="generator or a scheduler"):
+        asyncio.run(run_trajectory(None, TOK, FakeExecutor(), "Q", "42", config=cfg, scorer=exact_scorer))
+
+
+def test_cancelling_a_trajectory_aborts_its_generation():
+    gen = ScriptedGenerator({"Q": ["</reason><answer>1</answer>" + IM_END]})
+    gen.delay_s = 10.0
+
+    async def main():
+        task = asyncio.ensure_future(run_trajectory(gen, TOK, FakeExecutor(), "Q", "42", config=LoopConfig(),
+                                                    scorer=exact_scorer))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert len(gen.aborted) == 1 and len(gen.aborted[0]) == 16
+
+
+@pytest.mark.parametrize("field, value", [("max_turns", 0), ("response_budget", 0), ("observation_style", "x"),
+                                          ("reward_mode", "remote"), ("max_calls_per_turn", 0)])
+def test_loop_config_names_the_bad_field(field, value):
+    with pytest.raises(ValueError, match=f"LoopConfig.{field}"):
+        LoopConfig(**{field: value})

@@ -161,6 +161,8 @@ class VerifierPool:
     async def score(self, response_text: str, gold_answer: str, *, truncated: bool = False) -> float:
         return await asyncio.to_thread(self.score_blocking, response_text, gold_answer, truncated=truncated)
 
+    __call__ = score  # a VerifierPool is itself a rollout-loop scorer
+
     def close(self) -> None:
         with self._lock:
             for worker in self._idle:
@@ -179,3 +181,32 @@ class VerifierPool:
 
 
 ScoreFn = Callable[[str, str], float]
+
+
+class SandboxScorer:
+    """Scores through the sandbox's Verify RPC (its own hard timeout); truncated responses score 0."""
+
+    def __init__(self, client, timeout_s: float | None = None):
+        self.client = client
+        self.timeout_s = timeout_s
+
+    async def __call__(self, response_text: str, gold_answer: str, *, truncated: bool = False) -> float:
+        if truncated:
+            return 0.0
+        result = await self.client.verify(response_text, gold_answer, timeout_s=self.timeout_s)
+        return 1.0 if result.correct else 0.0
+
+    def close(self) -> None:
+        """The client belongs to the caller; nothing to release here."""
+
+
+def make_scorer(mode: str, *, timeout_s: float = 10.0, workers: int = 2, sandbox_client=None):
+    """The rollout loop's scorer for `LoopConfig.reward_mode`: "local" (a `VerifierPool`, close it
+    when done) or "sandbox" (`SandboxScorer` over `sandbox_client`). Both have `.close()`."""
+    if mode == "local":
+        return VerifierPool(workers=workers, timeout_s=timeout_s)
+    if mode == "sandbox":
+        if sandbox_client is None:
+            raise ValueError("make_scorer: reward_mode 'sandbox' needs a sandbox_client with a verify method")
+        return SandboxScorer(sandbox_client, timeout_s=timeout_s)
+    raise ValueError(f"make_scorer: mode must be 'local' or 'sandbox', got {mode!r}")

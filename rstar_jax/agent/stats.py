@@ -22,3 +22,24 @@ def count_answer_tags(model_text: str) -> int:
 
 def is_tool_error(status: str) -> bool:
     return status != "ok"
+
+
+def trajectory_stats(trajectory, tokenizer=None) -> dict:
+    """The paper's counts for one trajectory, plus the release's text-based counts when a tokenizer
+    is given (decoded with special tokens kept, as the release decodes its responses)."""
+    stats = {
+        "n_turns": trajectory.n_turns,
+        "n_tool_calls": trajectory.n_tool_calls,
+        "n_tool_errors": trajectory.n_tool_errors,
+        "n_answer_tags": trajectory.n_answer_tags,
+        "finish_reason": trajectory.finish_reason,
+        "truncated": trajectory.truncated,
+        "response_tokens": len(trajectory.response_ids),
+        "sampled_tokens": trajectory.num_sampled_tokens,
+    }
+    if tokenizer is not None:
+        from rstar_jax.rl.roc import release_counts_from_text
+
+        text = tokenizer.decode(trajectory.response_ids, skip_special_tokens=False)
+        stats["release"] = release_counts_from_text(text)
+    return stats

@@ -21,6 +21,7 @@ CHATML_SPECIALS = (ENDOFTEXT, IM_START, IM_END)
 class Tokenizer(Protocol):
     vocab_size: int
     eos_id: int  # <|im_end|>: ends an assistant turn
+    im_end_id: int  # the same id as eos_id
     pad_id: int
 
     def encode(self, text: str) -> list[int]: ...
@@ -31,20 +32,32 @@ class Tokenizer(Protocol):
 
 
 class ByteTokenizer:
-    """Bytes 0..255, then the ChatML specials; vocab padded to a multiple of 64 (320)."""
+    """Bytes 0..255, then the ChatML specials; vocab padded to a multiple of 64 (320).
 
-    def __init__(self, specials: Sequence[str] = CHATML_SPECIALS, pad_to_multiple: int = 64):
+    The padding keeps embedding and logit shapes friendly to sharding and matmul tiling; padded ids
+    decode as `<|unused_N|>`. `allowed_specials` limits which specials are recognised when encoding
+    (the others are encoded as their bytes), e.g. to keep a user's literal `<|im_end|>` harmless.
+    """
+
+    def __init__(self, specials: Sequence[str] = CHATML_SPECIALS, pad_to_multiple: int = 64,
+                 allowed_specials: Sequence[str] | None = None):
         self.specials = tuple(specials)
+        allowed = self.specials if allowed_specials is None else tuple(allowed_specials)
+        unknown = [s for s in allowed if s not in self.specials]
+        if unknown:
+            raise ValueError(f"ByteTokenizer.allowed_specials: {unknown} are not among the specials {self.specials}")
         self._special_ids = {s: 256 + i for i, s in enumerate(self.specials)}
         self._id_to_special = {i: s for s, i in self._special_ids.items()}
         raw = 256 + len(self.specials)
         self.vocab_size = -(-raw // pad_to_multiple) * pad_to_multiple
-        self._split = re.compile("(" + "|".join(re.escape(s) for s in self.specials) + ")")
-        self.eos_id = self._special_ids[IM_END]
+        self._split = (re.compile("(" + "|".join(re.escape(s) for s in allowed) + ")") if allowed else None)
+        self.eos_id = self.im_end_id = self._special_ids[IM_END]
         self.pad_id = self._special_ids[ENDOFTEXT]
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
+        if self._split is None:
+            return list(text.encode("utf-8"))
         for piece in self._split.split(text):
             if not piece:
                 continue
@@ -95,7 +108,7 @@ class HFTokenizer:
         for special in (IM_START, IM_END):
             if self._tok.token_to_id(special) is None:
                 raise ValueError(f"{file}: the tokenizer has no {special!r} token (a ChatML vocabulary is required)")
-        self.eos_id = self._tok.token_to_id(IM_END)
+        self.eos_id = self.im_end_id = self._tok.token_to_id(IM_END)
         pad = self._tok.token_to_id(ENDOFTEXT)
         self.pad_id = pad if pad is not None else self.eos_id
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)

@@ -9,9 +9,11 @@ never ends on a user turn.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import itertools
+import logging
 from typing import Any, Awaitable, Callable, Protocol
 
 from rstar_jax.agent.stats import PARSE_ERROR, count_answer_tags, is_tool_error
@@ -36,6 +38,11 @@ class ToolExecutor(Protocol):
 
 Scorer = Callable[..., Awaitable[float]]  # async (model_text, gold, truncated=...) -> reward
 
+log = logging.getLogger(__name__)
+
+OBSERVATION_STYLES = ("release", "paper")
+REWARD_MODES = ("local", "sandbox")  # see rstar_jax.agent.reward.make_scorer
+
 
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
@@ -48,9 +55,18 @@ class LoopConfig:
     max_calls_per_turn: int = 1
     observation_style: str = "release"
     observation_max_chars: int = 256
-    tool_timeout_s: float | None = None
+    tool_timeout_s: float | None = None  # None: the sandbox's default
+    reward_mode: str = "local"  # local process pool or the sandbox's Verify RPC
+    verify_timeout_s: float = 10.0
 
     def __post_init__(self):
+        if self.observation_style not in OBSERVATION_STYLES:
+            raise ValueError(f"LoopConfig.observation_style must be one of {OBSERVATION_STYLES}, "
+                             f"got {self.observation_style!r}")
+        if self.reward_mode not in REWARD_MODES:
+            raise ValueError(f"LoopConfig.reward_mode must be one of {REWARD_MODES}, got {self.reward_mode!r}")
+        if self.max_calls_per_turn < 1:
+            raise ValueError(f"LoopConfig.max_calls_per_turn must be >= 1, got {self.max_calls_per_turn}")
         if self.max_turns < 1:
             raise ValueError(f"LoopConfig.max_turns must be >= 1, got {self.max_turns}")
         if self.response_budget < 1:
@@ -65,20 +81,41 @@ def _new_rid() -> str:
     return f"{next(_rid_counter):016x}"
 
 
+async def _generate(gen: Generator, input_ids: list[int], sampling: SamplingParams, rid: str):
+    """generate, aborting the request on the engine when the trajectory is cancelled."""
+    try:
+        return await gen.generate(input_ids, sampling, rid)
+    except asyncio.CancelledError:
+        try:
+            await gen.abort(rid)
+        except Exception as e:  # the cancellation must still propagate; the engine ends the request itself
+            log.warning("abort of request %s on %s failed: %s", rid, getattr(gen, "name", gen), e)
+        raise
+
+
 async def run_trajectory(
     generator: Generator | None,
     tokenizer: Tokenizer,
-    template: ChatTemplate,
     executor: ToolExecutor,
-    scorer: Scorer,
     question: str,
     gold_answer: str,
-    config: LoopConfig,
     *,
+    config: LoopConfig,
+    scorer: Scorer,
+    template: ChatTemplate | None = None,
+    scheduler: Scheduler | None = None,
     group_id: int = 0,
     sample_index: int = 0,
-    scheduler: Scheduler | None = None,
 ) -> Trajectory:
+    """Runs one trajectory to its end and scores it.
+
+    generator: used for every turn when no scheduler is given; with a scheduler, the trajectory
+    holds one lease (prompt + response budget reserved) for its whole life. scorer: an async
+    (model_text, gold, truncated=...) -> reward that never blocks the event loop
+    (`rstar_jax.agent.reward.make_scorer`). Cancelling the task aborts the in-flight generation
+    and the in-flight tool call.
+    """
+    template = template or ChatTemplate(tool_name=config.tool_name)
     prompt_ids = template.prompt_ids(tokenizer, question)
     traj = Trajectory(prompt_ids=prompt_ids, group_id=group_id, sample_index=sample_index, question=question,
                       gold_answer=gold_answer)
@@ -95,7 +132,7 @@ async def run_trajectory(
             remaining = config.response_budget - len(traj.response_ids)
             sampling = SamplingParams(max_new_tokens=remaining, temperature=config.temperature, top_p=config.top_p,
                                       top_k=config.top_k, stop_token_ids=(tokenizer.eos_id,))
-            result = await gen.generate(prompt_ids + traj.response_ids, sampling, rid)
+            result = await _generate(gen, prompt_ids + traj.response_ids, sampling, rid)
             traj.response_ids += list(result.token_ids)
             traj.loss_mask += [1] * len(result.token_ids)
             traj.sampler_logprobs += [float(x) for x in result.logprobs]
@@ -109,7 +146,7 @@ async def run_trajectory(
             if result.finish_reason == FINISH_LENGTH or len(traj.response_ids) >= config.response_budget:
                 traj.finish_reason, traj.truncated = STOP_BUDGET, True
                 break
-            calls = parse_tool_calls(turn_text, tool_names=(config.tool_name,), max_calls=config.max_calls_per_turn)
+            calls = parse_tool_calls(turn_text, tool_names=(template.tool_name,), max_calls=config.max_calls_per_turn)
             if not calls:
                 traj.finish_reason = STOP_NO_TOOL_CALL
                 break
