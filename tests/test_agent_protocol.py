@@ -128,10 +128,15 @@ def test_observation_styles_and_truncation():
     assert format_observation(ok, style="release") == "Tool call success\nstdout: 42\n\nexecution time: 0.12s"
     assert format_observation(ok, style="paper") == "42\n"
     timeout = _Result("timeout")
-    assert format_observation(timeout, style="release").startswith("Tool call failure\nreason: timeout")
+    assert format_observation(timeout, style="release") == "Tool call failure\nreason: worker_timeout\nexecution time: 0.12s"
     assert format_observation(timeout, style="paper") == "tool call failed\nreason: timeout"
     err = _Result("runtime_error", stderr="ZeroDivisionError at line 1")
     assert "ZeroDivisionError" in format_observation(err, style="paper")
+    assert format_observation(err, style="release") == ("Tool call failure\nreason: \nstderr: ZeroDivisionError at line 1"
+                                                        "\nexecution time: 0.12s")
+    assert "reason: internal_error" in format_observation(_Result("sandbox_error"), style="release")
+    with pytest.raises(ValueError, match="style"):
+        format_observation(ok, style="verbose")
     long = "a" * 100 + "b" * 100
     out = truncate_middle(long, 20)
     assert out == "a" * 10 + "...(truncated)..." + "b" * 10

@@ -32,6 +32,15 @@ _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 STATUS_OK = "ok"
 TIMEOUT_STATUSES = ("timeout",)
 
+# The release's failure reasons (its code-judge service): a non-zero exit has an empty reason, a
+# timeout is "worker_timeout", a call the service could not run is "queue_timeout" /
+# "internal_error". Keeping these strings keeps the release's text-based error counting comparable.
+RELEASE_REASONS = {
+    "timeout": "worker_timeout",
+    "rejected": "queue_timeout",
+    "sandbox_error": "internal_error",
+}
+
 
 @dataclasses.dataclass(frozen=True)
 class ToolCall:
@@ -98,13 +107,19 @@ def truncate_middle(text: str, max_chars: int, marker: str = "...(truncated)..."
 
 
 def format_observation(result, *, style: str = "release", max_chars: int = 256, truncation: str = "middle") -> str:
-    """Renders an execution result (fields status, stdout, stderr, duration_s) or a parse error."""
+    """Renders an execution result (fields status, stdout, stderr, duration_s) or a parse error.
+
+    release: "Tool call success" / "Tool call failure" + "reason: ..." (`RELEASE_REASONS`), then
+    "stdout: ..." and "stderr: ..." when non-empty and "execution time: X.XXs", one per line.
+    paper: the bare stdout on success; "tool call failed\nreason: ..." otherwise (the paper's traces).
+    The text is then cut to `max_chars` characters (middle: first and last halves kept).
+    """
     if isinstance(result, ToolCallError):
         text = result.message
     elif style == "release":
         lines = ["Tool call success" if result.status == STATUS_OK else "Tool call failure"]
         if result.status != STATUS_OK:
-            lines.append(f"reason: {result.status}")
+            lines.append(f"reason: {RELEASE_REASONS.get(result.status, '')}")
         if result.stdout:
             lines.append(f"stdout: {result.stdout}")
         if result.stderr:
