@@ -13,7 +13,7 @@ import pytest
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import IM_END, ByteTokenizer
 from rstar_jax.rollout.loop import LoopConfig, run_trajectory
-from rstar_jax.rollout.orchestrator import Orchestrator
+from rstar_jax.rollout.orchestrator import Orchestrator, trajectory_runner
 from rstar_jax.rollout.protocol import Capacity, GenerateResult
 from rstar_jax.agent.stats import trajectory_stats
 from rstar_jax.rollout.trajectory import STOP_BUDGET, STOP_MAX_TURNS, STOP_NO_TOOL_CALL
@@ -154,14 +154,12 @@ def test_orchestrator_64_concurrent_trajectories_and_cancellation():
     ex = FakeExecutor()
     cfg = LoopConfig(max_turns=5, response_budget=2048)
 
-    async def one(q, gold, gid, idx):
-        return await run_trajectory(gen, TOK, ex, q, gold, config=cfg, scorer=exact_scorer, template=TEMPLATE,
-                                    group_id=gid, sample_index=idx)
-
+    one = trajectory_runner(gen, TOK, ex, config=cfg, scorer=exact_scorer, template=TEMPLATE)
     orch = Orchestrator(one, max_concurrency=64)
     prompts = [(q, "42") for q in questions]
     trajs = asyncio.run(orch.collect(prompts, samples_per_prompt=4))
     assert len(trajs) == 64 and orch.peak_in_flight <= 64 and orch.peak_in_flight > 8
+    assert [(t.group_id, t.sample_index) for t in trajs] == [(g, i) for g in range(16) for i in range(4)]
     for t in trajs:
         t.check()
         assert sum(t.loss_mask) == sum(len(TOK.encode(x)) for x in questions[t.question])
@@ -174,10 +172,10 @@ def test_orchestrator_64_concurrent_trajectories_and_cancellation():
             break  # leaving early cancels the rest
         await asyncio.sleep(0.05)
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        return len(group), others
+        return len(group), others, slow.peak_in_flight, slow.in_flight
 
-    n, leftover = asyncio.run(cancel_early())
-    assert n == 4 and leftover == []
+    n, leftover, peak, in_flight = asyncio.run(cancel_early())
+    assert n == 4 and leftover == [] and peak == 4 and in_flight == 0
 
 
 def test_trajectory_stats_paper_beside_release_counting():

@@ -10,7 +10,19 @@ from __future__ import annotations
 import asyncio
 from typing import AsyncIterator, Sequence
 
+from rstar_jax.rollout.loop import run_trajectory
 from rstar_jax.rollout.trajectory import Trajectory
+
+
+def trajectory_runner(generator, tokenizer, executor, *, config, scorer, template=None, scheduler=None):
+    """The `run_one` an Orchestrator needs: `run_trajectory` with everything but the prompt bound."""
+
+    async def run_one(question: str, gold: str, group_id: int, sample_index: int) -> Trajectory:
+        return await run_trajectory(generator, tokenizer, executor, question, gold, config=config, scorer=scorer,
+                                    template=template, scheduler=scheduler, group_id=group_id,
+                                    sample_index=sample_index)
+
+    return run_one
 
 
 class Orchestrator:
