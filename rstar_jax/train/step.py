@@ -64,39 +64,48 @@ def make_optimizer(model: nnx.Module, config: OptimizerConfig = OptimizerConfig(
     return nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
-def _micro_batch_loss(params, graphdef, rest, mb: dict, loss_config: LossConfig, chunk_size: int, temperature):
-    model = nnx.merge(graphdef, params, rest)
+def _grpo_micro_loss(model, mb: dict, loss_config: LossConfig, chunk_size: int, temperature):
     hidden = model.hidden_states(mb["input_ids"], mb["positions"], mb["segment_ids"])
     logprobs, entropy = token_logprobs(hidden, model.unembedding(), mb["targets"], chunk_size=chunk_size,
                                        temperature=temperature, return_entropy=True)
-    loss_sum, count, metrics = grpo_loss(
+    return grpo_loss(
         logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
         clip_low=loss_config.clip_low, clip_high=loss_config.clip_high, dual_clip=loss_config.dual_clip,
         log_ratio_clamp=loss_config.log_ratio_clamp, entropy=jax.lax.stop_gradient(entropy),
         entropy_coef=loss_config.entropy_coef, sampler_logprobs=mb["sampler_logprobs"])
-    return loss_sum, metrics
+
+
+def accumulate_grads(model: nnx.Module, batch: dict, micro_loss):
+    """Sums `micro_loss` numerators, gradients and metrics over the micro-batches of `batch`.
+
+    micro_loss(model, micro_batch) -> (loss_sum, token_count, metrics). Returns (loss, grads,
+    metrics) with loss and grads divided once by the total token count: the exact token mean.
+    """
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss_of_params(p, mb):
+        loss_sum, count, metrics = micro_loss(nnx.merge(graphdef, p, rest), mb)
+        return loss_sum, {**metrics, "token_count": count, "loss_sum": loss_sum}
+
+    grad_fn = jax.grad(loss_of_params, has_aux=True)
+
+    def body(carry, mb):
+        grads_acc, metrics_acc = carry
+        grads, metrics = grad_fn(params, mb)
+        return (jax.tree.map(jnp.add, grads_acc, grads), combine_metrics(metrics_acc, metrics)), None
+
+    # The first micro-batch seeds the accumulators (their structure comes from the loss itself).
+    grads0, metrics0 = grad_fn(params, jax.tree.map(lambda x: x[0], batch))
+    (grads_sum, metrics), _ = jax.lax.scan(body, (grads0, metrics0), jax.tree.map(lambda x: x[1:], batch))
+    total = jnp.maximum(metrics["token_count"], 1.0)
+    return metrics["loss_sum"] / total, jax.tree.map(lambda g: g / total, grads_sum), metrics
 
 
 def loss_and_grads(model: nnx.Module, batch: dict, loss_config: LossConfig, chunk_size: int = 1024,
                    temperature: Any = 1.0):
-    """Exact token-mean loss and gradients over all micro-batches of `batch` ([M, B, T] arrays)."""
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    grad_fn = jax.grad(_micro_batch_loss, has_aux=True)
-
-    def body(carry, mb):
-        grads_acc, metrics_acc = carry
-        grads, metrics = grad_fn(params, graphdef, rest, mb, loss_config, chunk_size, temperature)
-        return (jax.tree.map(jnp.add, grads_acc, grads), combine_metrics(metrics_acc, metrics)), None
-
-    # The first micro-batch seeds the accumulators (their structure comes from the loss itself).
-    first = jax.tree.map(lambda x: x[0], batch)
-    grads0, metrics0 = grad_fn(params, graphdef, rest, first, loss_config, chunk_size, temperature)
-    rest_batch = jax.tree.map(lambda x: x[1:], batch)
-    (grads_sum, metrics), _ = jax.lax.scan(body, (grads0, metrics0), rest_batch)
-    total = jnp.maximum(metrics["token_count"], 1.0)
-    grads = jax.tree.map(lambda g: g / total, grads_sum)
-    loss = metrics["pg_loss_sum"] / total
-    return loss, grads, metrics
+    """Exact token-mean GRPO loss and gradients over all micro-batches of `batch` ([M, B, T] arrays)."""
+    return accumulate_grads(
+        model, batch, lambda m, mb: _grpo_micro_loss(m, mb, loss_config, chunk_size, temperature))
 
 
 def _train_step(model, optimizer, batch, loss_config: LossConfig, chunk_size: int, temperature):

@@ -1,0 +1,106 @@
+"""Supervised fine-tuning on chat conversations: loss on assistant tokens only, packed batches.
+
+Conversations are rendered with the rStar2 template (`ChatTemplate.sft_segments`): the system and
+tools block, user turns, tool responses and the forced `<reason>` are context (mask 0); assistant
+text and its closing `<|im_end|>` are trained (mask 1). The loss is the exact token-mean negative
+log-likelihood over the global batch, computed with the chunked log-probs and the same micro-batch
+accumulation as the RL step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rstar_jax.agent.template import ChatTemplate
+from rstar_jax.agent.tokenizer import Tokenizer
+from rstar_jax.rl.logprobs import token_logprobs
+from rstar_jax.train.batching import TrainingSequence, make_micro_batches
+from rstar_jax.train.step import accumulate_grads
+
+
+def conversation_ids(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
+    """Token ids of a conversation and its mask (1 on trained assistant tokens)."""
+    ids: list[int] = []
+    mask: list[int] = []
+    for text, trained in template.sft_segments(messages):
+        piece = tokenizer.encode(text)
+        ids += piece
+        mask += [int(trained)] * len(piece)
+    return ids, mask
+
+
+def sft_sequences(template: ChatTemplate, tokenizer: Tokenizer, conversations: Iterable[Sequence[dict]],
+                  max_length: int) -> list[TrainingSequence]:
+    """Training sequences (the first token as the 'prompt', the rest scored where trained)."""
+    out = []
+    for i, messages in enumerate(conversations):
+        ids, mask = conversation_ids(template, tokenizer, messages)
+        if len(ids) > max_length:
+            raise ValueError(f"sft: conversation {i} has {len(ids)} tokens, more than sft.max_length={max_length}")
+        if sum(mask) == 0:
+            raise ValueError(f"sft: conversation {i} has no assistant tokens to train on")
+        out.append(TrainingSequence(prompt_ids=ids[:1], response_ids=ids[1:], loss_mask=mask[1:], advantage=1.0))
+    return out
+
+
+def _nll_micro_loss(model, mb, chunk_size: int):
+    hidden = model.hidden_states(mb["input_ids"], mb["positions"], mb["segment_ids"])
+    logprobs = token_logprobs(hidden, model.unembedding(), mb["targets"], chunk_size=chunk_size)
+    mask = mb["loss_mask"]
+    nll_sum = -jnp.sum(jnp.where(mask > 0, logprobs, 0.0))
+    return nll_sum, jnp.sum(mask), {}
+
+
+def _sft_step(model, optimizer, batch, chunk_size: int):
+    loss, grads, metrics = accumulate_grads(model, batch, lambda m, mb: _nll_micro_loss(m, mb, chunk_size))
+    optimizer.update(model, grads)
+    return {"loss": loss, "tokens": metrics["token_count"], "grad_norm": jnp.sqrt(
+        sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))}
+
+
+sft_step = nnx.jit(_sft_step, static_argnames=("chunk_size",), donate_argnums=(0, 1))
+"""sft_step(model, optimizer, batch, chunk_size) -> {"loss", "tokens", "grad_norm"}; updates in place."""
+
+
+@nnx.jit(static_argnames=("chunk_size",))
+def eval_nll(model, batch, chunk_size: int = 1024):
+    """Token-mean NLL of the trained tokens of `batch` (no update)."""
+    _, _, metrics = accumulate_grads(model, batch, lambda m, mb: _nll_micro_loss(m, mb, chunk_size))
+    return metrics["loss_sum"] / jnp.maximum(metrics["token_count"], 1.0)
+
+
+@dataclasses.dataclass
+class SftBatches:
+    """Packs sequences into fixed-shape batches of `conversations_per_step` conversations."""
+
+    sequences: list[TrainingSequence]
+    conversations_per_step: int
+    rows: int
+    row_length: int
+    seed: int = 0
+
+    def steps_per_epoch(self) -> int:
+        return max(1, len(self.sequences) // self.conversations_per_step)
+
+    def epoch(self, epoch: int) -> Iterable[dict[str, np.ndarray]]:
+        order = np.random.default_rng(self.seed + epoch).permutation(len(self.sequences))
+        for s in range(self.steps_per_epoch()):
+            chosen = [self.sequences[i] for i in order[s * self.conversations_per_step:(s + 1) * self.conversations_per_step]]
+            yield make_micro_batches(chosen, rows=self.rows, row_length=self.row_length, packed=True,
+                                     round_micro_batches_to=self._micro_batch_multiple())
+
+    def _micro_batch_multiple(self) -> int:
+        # Round the micro-batch count up to a fixed bound so every step has one shape.
+        longest = max(len(s.prompt_ids) + len(s.response_ids) for s in self.sequences)
+        per_row = max(1, self.row_length // longest)
+        return -(-self.conversations_per_step // (per_row * self.rows))
+
+
+def as_device_batch(batch: dict[str, np.ndarray]) -> dict[str, Any]:
+    return {k: jnp.asarray(v) for k, v in batch.items()}
