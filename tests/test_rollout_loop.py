@@ -144,6 +144,14 @@ def test_truncated_answer_scores_zero():
     answer = "</reason><answer>\\boxed{42}</answer>" + IM_END
     traj, _, _ = _run([answer], budget=len(TOK.encode(answer)) - 1)
     assert traj.truncated and traj.reward == 0.0
+    # Ending with EOS exactly at the budget is a complete answer, not a truncation.
+    traj, _, _ = _run([answer], budget=len(TOK.encode(answer)))
+    assert not traj.truncated and traj.finish_reason == STOP_NO_TOOL_CALL and traj.reward == 1.0
+    # A tool call exactly at the budget cannot get its observation: truncated.
+    turn = call("print(1)") + IM_END
+    traj, _, ex = _run([turn, answer], budget=len(TOK.encode(turn)))
+    assert traj.truncated and traj.finish_reason == STOP_BUDGET and len(traj.response_ids) == len(TOK.encode(turn))
+    assert ex.calls == []  # no sandbox call for an observation that could never be appended
 
 
 def test_orchestrator_64_concurrent_trajectories_and_cancellation():

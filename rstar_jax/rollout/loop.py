@@ -127,6 +127,7 @@ async def run_trajectory(
             raise ValueError("run_trajectory needs a generator or a scheduler")
         lease = contextlib.nullcontext(generator)
     model_text: list[str] = []
+    min_observation = len(template.tool_response_ids(tokenizer, ""))
     async with lease as gen:
         while True:
             remaining = config.response_budget - len(traj.response_ids)
@@ -143,15 +144,21 @@ async def run_trajectory(
             if result.finish_reason == FINISH_ABORT:
                 traj.finish_reason = STOP_ABORTED
                 break
-            if result.finish_reason == FINISH_LENGTH or len(traj.response_ids) >= config.response_budget:
+            if result.finish_reason == FINISH_LENGTH:
                 traj.finish_reason, traj.truncated = STOP_BUDGET, True
                 break
+            # A turn that ends with EOS exactly at the budget is complete: an answer there counts, and
+            # a tool call there is stopped below because its observation cannot be appended.
             calls = parse_tool_calls(turn_text, tool_names=(template.tool_name,), max_calls=config.max_calls_per_turn)
             if not calls:
                 traj.finish_reason = STOP_NO_TOOL_CALL
                 break
             if traj.n_turns >= config.max_turns:
                 traj.finish_reason = STOP_MAX_TURNS  # the turn limit: no further turn can use a result
+                break
+            if len(traj.response_ids) + min_observation >= config.response_budget:
+                # Not even an empty observation fits: stop before spending a sandbox call.
+                traj.finish_reason, traj.truncated = STOP_BUDGET, True
                 break
             observations = []
             for call in calls:
