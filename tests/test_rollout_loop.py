@@ -12,11 +12,12 @@ import pytest
 
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import IM_END, ByteTokenizer
+from rstar_jax.agent.tool_calls import format_observation
 from rstar_jax.rollout.loop import LoopConfig, run_trajectory
 from rstar_jax.rollout.orchestrator import Orchestrator, trajectory_runner
 from rstar_jax.rollout.protocol import Capacity, GenerateResult
 from rstar_jax.agent.stats import trajectory_stats
-from rstar_jax.rollout.trajectory import STOP_BUDGET, STOP_MAX_TURNS, STOP_NO_TOOL_CALL
+from rstar_jax.rollout.trajectory import STOP_ABORTED, STOP_BUDGET, STOP_MAX_TURNS, STOP_NO_TOOL_CALL
 
 TOK = ByteTokenizer()
 TEMPLATE = ChatTemplate()
@@ -78,6 +79,10 @@ class FakeExecutor:
     async def execute(self, code, stdin="", **kw):
         self.calls.append(code)
         await asyncio.sleep(0.001)
+        return self.result_for(code)
+
+    @staticmethod
+    def result_for(code):
         if "sleep" in code:
             return Result("timeout")
         if "1/0" in code:
@@ -261,3 +266,25 @@ def test_cancelling_a_trajectory_aborts_its_generation():
 def test_loop_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=f"LoopConfig.{field}"):
         LoopConfig(**{field: value})
+
+
+def test_two_calls_in_one_turn_and_an_aborted_generation():
+    answer = "</reason><answer>\\boxed{42}</answer>" + IM_END
+    gen = ScriptedGenerator({"Q": [call("1/0") + call("print(42)") + IM_END, answer]})
+    cfg = LoopConfig(max_calls_per_turn=2, observation_max_chars=64)
+    traj = asyncio.run(run_trajectory(gen, TOK, FakeExecutor(), "Q", "42", config=cfg, scorer=exact_scorer))
+    assert traj.tool_statuses == ["runtime_error", "ok"] and traj.n_tool_errors == 1 and traj.reward == 1.0
+    observations = [format_observation(FakeExecutor.result_for("1/0"), max_chars=64),
+                    format_observation(FakeExecutor.result_for("print(42)"), max_chars=64)]
+    obs_ids = TEMPLATE.tool_response_ids(TOK, observations)
+    masked = [i for i, m in zip(traj.response_ids, traj.loss_mask) if not m]
+    assert masked == obs_ids and TOK.decode(obs_ids).count("<tool_response>") == 2
+
+    class Aborting(ScriptedGenerator):
+        async def generate(self, input_ids, sampling, rid=None):
+            result = await super().generate(input_ids, sampling, rid)
+            return GenerateResult(result.token_ids, result.logprobs, "abort", result.weight_version)
+
+    traj = asyncio.run(run_trajectory(Aborting({"Q": [answer]}), TOK, FakeExecutor(), "Q", "42",
+                                      config=LoopConfig(), scorer=exact_scorer))
+    assert traj.finish_reason == STOP_ABORTED and traj.reward == 0.0

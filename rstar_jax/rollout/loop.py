@@ -93,6 +93,15 @@ async def _generate(gen: Generator, input_ids: list[int], sampling: SamplingPara
         raise
 
 
+async def _run_call(call, executor: ToolExecutor, config: LoopConfig) -> tuple[str, str]:
+    if isinstance(call, ToolCallError):
+        return PARSE_ERROR, format_observation(call, max_chars=config.observation_max_chars)
+    kwargs = {"timeout_s": config.tool_timeout_s} if config.tool_timeout_s else {}
+    result = await executor.execute(call.code, call.stdin, **kwargs)
+    return result.status, format_observation(result, style=config.observation_style,
+                                              max_chars=config.observation_max_chars)
+
+
 async def run_trajectory(
     generator: Generator | None,
     tokenizer: Tokenizer,
@@ -160,19 +169,13 @@ async def run_trajectory(
                 # Not even an empty observation fits: stop before spending a sandbox call.
                 traj.finish_reason, traj.truncated = STOP_BUDGET, True
                 break
-            observations = []
-            for call in calls:
-                if isinstance(call, ToolCallError):
-                    status, obs = PARSE_ERROR, format_observation(call, max_chars=config.observation_max_chars)
-                else:
-                    kwargs = {"timeout_s": config.tool_timeout_s} if config.tool_timeout_s else {}
-                    res = await executor.execute(call.code, call.stdin, **kwargs)
-                    status = res.status
-                    obs = format_observation(res, style=config.observation_style, max_chars=config.observation_max_chars)
+            # Calls of one turn run concurrently (the release gathers them); each yields (status, text).
+            outcomes = await asyncio.gather(*(_run_call(call, executor, config) for call in calls))
+            for status, _ in outcomes:
                 traj.n_tool_calls += 1
                 traj.n_tool_errors += int(is_tool_error(status))
                 traj.tool_statuses.append(status)
-                observations.append(obs)
+            observations = [text for _, text in outcomes]
             obs_ids = template.tool_response_ids(tokenizer, observations)
             if len(traj.response_ids) + len(obs_ids) >= config.response_budget:
                 traj.finish_reason, traj.truncated = STOP_BUDGET, True
@@ -184,6 +187,7 @@ async def run_trajectory(
     text = "".join(model_text)
     traj.n_answer_tags = count_answer_tags(text)
     traj.extra["model_text"] = text
-    traj.reward = await scorer(text, gold_answer, truncated=traj.truncated)
+    # An aborted trajectory never finished, so like a truncated one it earns nothing.
+    traj.reward = await scorer(text, gold_answer, truncated=traj.truncated or traj.finish_reason == STOP_ABORTED)
     traj.check()
     return traj
