@@ -1,7 +1,6 @@
 """The rStar2 protocol: tokenizers, exact prompt strings, tool-call parsing, observations, reward."""
 
 import json
-import re
 import time
 
 import pytest
@@ -128,12 +127,13 @@ def test_observation_styles_and_truncation():
     assert format_observation(ok, style="release") == "Tool call success\nstdout: 42\n\nexecution time: 0.12s"
     assert format_observation(ok, style="paper") == "42\n"
     timeout = _Result("timeout")
-    assert format_observation(timeout, style="release") == "Tool call failure\nreason: worker_timeout\nexecution time: 0.12s"
+    assert format_observation(timeout, style="release") == ("Tool call failure\nreason: worker_timeout\n"
+                                                            "execution time: 0.12s")
     assert format_observation(timeout, style="paper") == "tool call failed\nreason: timeout"
     err = _Result("runtime_error", stderr="ZeroDivisionError at line 1")
     assert "ZeroDivisionError" in format_observation(err, style="paper")
-    assert format_observation(err, style="release") == ("Tool call failure\nreason: \nstderr: ZeroDivisionError at line 1"
-                                                        "\nexecution time: 0.12s")
+    assert format_observation(err, style="release") == ("Tool call failure\nreason: \n"
+                                                        "stderr: ZeroDivisionError at line 1\nexecution time: 0.12s")
     assert "reason: internal_error" in format_observation(_Result("sandbox_error"), style="release")
     with pytest.raises(ValueError, match="style"):
         format_observation(ok, style="verbose")

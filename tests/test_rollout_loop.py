@@ -24,7 +24,8 @@ TEMPLATE = ChatTemplate()
 
 
 def call(code: str) -> str:
-    return "<tool_call>\n" + json.dumps({"name": "python_code_with_standard_io", "arguments": {"code": code}}) + "\n</tool_call>"
+    body = json.dumps({"name": "python_code_with_standard_io", "arguments": {"code": code}})
+    return f"<tool_call>\n{body}\n</tool_call>"
 
 
 class ScriptedGenerator:
@@ -103,7 +104,8 @@ def _run(turns, budget=4096, max_turns=5, question="Q1"):
 
 
 def test_two_turn_bookkeeping():
-    turns = [f"Let me compute. {call('print(6*7)')}{IM_END}", f"It is 42.</reason><answer>\\boxed{{42}}</answer>{IM_END}"]
+    turns = [f"Let me compute. {call('print(6*7)')}{IM_END}",
+             f"It is 42.</reason><answer>\\boxed{{42}}</answer>{IM_END}"]
     traj, gen, ex = _run(turns)
     assert traj.finish_reason == STOP_NO_TOOL_CALL and traj.reward == 1.0 and not traj.truncated
     assert traj.n_turns == 2 and traj.n_tool_calls == 1 and traj.n_tool_errors == 0 and traj.n_answer_tags == 1

@@ -44,7 +44,9 @@ TOOL_DESCRIPTION = (
     "captures and returns any output produced through standard output (stdout). If the executed code raises an "
     "exception, the error message will be captured and returned instead."
 )
-CODE_DESCRIPTION = "A string containing Python code to be executed. The code can read from standard input using the input() function."
+CODE_DESCRIPTION = (
+    "A string containing Python code to be executed. The code can read from standard input using the input() function."
+)
 INPUT_DESCRIPTION = "A string that will be provided as standard input to the code when it calls input()."
 
 
@@ -111,7 +113,8 @@ class ChatTemplate:
         observations = [observation] if isinstance(observation, str) else list(observation)
         ids = tokenizer.encode(f"{IM_START}user")
         for obs in observations:
-            ids += tokenizer.encode("\n<tool_response>\n") + tokenizer.encode(obs) + tokenizer.encode("\n</tool_response>")
+            ids += tokenizer.encode("\n<tool_response>\n") + tokenizer.encode(obs)
+            ids += tokenizer.encode("\n</tool_response>")
         return ids + tokenizer.encode(f"{IM_END}\n") + tokenizer.encode(GENERATION_PROMPT)
 
     def sft_segments(self, messages: Sequence[dict]) -> list[tuple[str, bool]]:

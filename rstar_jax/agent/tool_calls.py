@@ -94,7 +94,8 @@ def _parse_one(body: str, tool_names: Sequence[str], max_code_chars: int) -> Too
     if not isinstance(stdin, str):
         return ToolCallError("Invalid tool call: argument 'input' must be a string")
     if len(code) > max_code_chars:
-        return ToolCallError(f"Invalid tool call: code has {len(code)} characters, more than the limit {max_code_chars}")
+        return ToolCallError(f"Invalid tool call: code has {len(code)} characters, "
+                             f"more than the limit {max_code_chars}")
     return ToolCall(name=name, code=code, stdin=stdin)
 
 
