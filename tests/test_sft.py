@@ -27,20 +27,20 @@ def test_mask_covers_assistant_text_only():
 
 
 def test_sft_lowers_held_out_assistant_loss():
-    problems = generate_problems(40, seed=0, difficulty=1)
+    problems = generate_problems(28, seed=0, difficulty=1)
     conversations = [sft_conversation(p) for p in problems]
-    train = sft_sequences(TEMPLATE, TOK, conversations[:32], max_length=2048)
-    held_out = sft_sequences(TEMPLATE, TOK, conversations[32:], max_length=2048)
+    train = sft_sequences(TEMPLATE, TOK, conversations[:24], max_length=2048)
+    held_out = sft_sequences(TEMPLATE, TOK, conversations[24:], max_length=2048)
     longest = max(len(s.prompt_ids) + len(s.response_ids) for s in train + held_out)
     row_length = -(-longest // 128) * 128
-    batches = SftBatches(train, conversations_per_step=8, rows=4, row_length=row_length)
-    held = SftBatches(held_out, conversations_per_step=8, rows=4, row_length=row_length)
+    batches = SftBatches(train, conversations_per_step=4, rows=2, row_length=row_length)
+    held = SftBatches(held_out, conversations_per_step=4, rows=2, row_length=row_length)
     model = Qwen3(Qwen3Config.tiny(max_position_embeddings=row_length), rngs=nnx.Rngs(0))
-    opt = make_optimizer(model, OptimizerConfig(lr=3e-3, warmup_steps=2, schedule="cosine", total_steps=8))
+    opt = make_optimizer(model, OptimizerConfig(lr=3e-3, warmup_steps=1, schedule="cosine", total_steps=6))
     held_batch = as_device_batch(next(iter(held.epoch(0))))
     before = float(eval_nll(model, held_batch, chunk_size=256))
     losses = []
-    for epoch in range(2):
+    for epoch in range(1):
         for batch in batches.epoch(epoch):
             losses.append(float(sft_step(model, opt, as_device_batch(batch), 256)["loss"]))
     after = float(eval_nll(model, held_batch, chunk_size=256))
