@@ -1,0 +1,119 @@
+"""The GRPO-RoC RL loop (rStar2-Agent §1.2), composed from the project's pieces.
+
+Per step: prompts -> 2G trajectories each (async, multi-turn, tools in the sandbox) -> rewards ->
+RoC (drop all-equal groups, keep G) -> advantages over kept rollouts -> fixed-shape micro-batches
+-> one jitted, sharded, donated update -> weight sync to the generator -> metrics -> checkpoint.
+A step in which every group was dropped makes no update (the spec's skipped step) but still
+advances the data stream and is logged.
+
+The trainer receives its tool executor and scorer from the caller (the launcher wires the sandbox
+client and the verifier), so the loop itself never runs untrusted code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from rstar_jax.agent.template import ChatTemplate
+from rstar_jax.agent.tokenizer import Tokenizer
+from rstar_jax.rl.loss import LossConfig, finalize_metrics
+from rstar_jax.rl.roc import RocConfig
+from rstar_jax.rollout.engine import JaxEngine
+from rstar_jax.rollout.loop import LoopConfig, run_trajectory
+from rstar_jax.rollout.orchestrator import Orchestrator
+from rstar_jax.rollout.trajectory import Trajectory
+from rstar_jax.train.rl_batch import BatchConfig, prepare_batch
+from rstar_jax.train.step import compute_logprobs, train_step
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSettings:
+    rollouts_per_prompt: int  # 2G
+    loop: LoopConfig
+    roc: RocConfig
+    loss: LossConfig
+    batch: BatchConfig
+    chunk_size: int = 1024
+    max_concurrency: int = 64
+
+
+class RLTrainer:
+    """Runs GRPO-RoC steps with the in-process JaxEngine (or any Generator / Scheduler)."""
+
+    def __init__(self, model, optimizer, tokenizer: Tokenizer, settings: RLSettings, *, executor, scorer,
+                 engine: JaxEngine | None = None, scheduler=None, template: ChatTemplate | None = None,
+                 sync_weights: Callable[[Any], None] | None = None):
+        self.model = model
+        self.optimizer = optimizer
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.executor = executor
+        self.scorer = scorer
+        self.engine = engine
+        self.scheduler = scheduler
+        self.template = template or ChatTemplate(tool_name=settings.loop.tool_name)
+        # Default weight sync: the in-process engine swaps parameters in place.
+        self.sync_weights = sync_weights or (lambda m: engine.update_weights(m) if engine is not None else None)
+        self._next_group = 0
+
+    async def rollout(self, prompts: list[tuple[str, str]]) -> list[Trajectory]:
+        s = self.settings
+
+        async def one(question, gold, group_id, index):
+            return await run_trajectory(self.engine, self.tokenizer, self.executor, question, gold, config=s.loop,
+                                        scorer=self.scorer, template=self.template, scheduler=self.scheduler,
+                                        group_id=group_id, sample_index=index)
+
+        orchestrator = Orchestrator(one, max_concurrency=s.max_concurrency)
+        trajectories = await orchestrator.collect(prompts, s.rollouts_per_prompt, first_group_id=self._next_group)
+        self._next_group += len(prompts)
+        return trajectories
+
+    def update(self, trajectories: list[Trajectory]) -> dict:
+        """RoC, advantages, the jitted update and the weight sync; returns this step's metrics."""
+        s = self.settings
+        t0 = time.perf_counter()
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        prepared = prepare_batch(trajectories, s.roc, s.batch, decode=decode)
+        metrics: dict[str, Any] = dict(prepared.roc.stats())
+        if prepared.skipped:
+            metrics["update/skipped"] = 1
+            return metrics
+        batch = {k: jnp.asarray(v) for k, v in prepared.batch.items()}
+        if not s.batch.use_sampler_logprobs:
+            # π_old recomputed by the trainer (as verl does); sampler log-probs stay for the drift metric.
+            old, _ = compute_logprobs(self.model, batch, chunk_size=s.chunk_size)
+            batch["old_logprobs"] = jnp.where(batch["loss_mask"] > 0, old, 0.0)
+        out = train_step(self.model, self.optimizer, batch, s.loss, s.chunk_size, jnp.float32(1.0))
+        out = jax.device_get(out)
+        metrics.update(finalize_metrics(out))
+        metrics["update/loss"] = float(out["loss"])
+        metrics["update/grad_norm"] = float(out["grad_norm"])
+        metrics["update/skipped"] = 0
+        metrics["time/update_s"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.sync_weights(self.model)
+        metrics["time/weight_sync_s"] = time.perf_counter() - t1
+        return metrics
+
+    def step(self, prompts: list[tuple[str, str]]) -> tuple[dict, list[Trajectory]]:
+        t0 = time.perf_counter()
+        trajectories = asyncio.run(self.rollout(prompts))
+        rollout_s = time.perf_counter() - t0
+        metrics = self.update(trajectories)
+        rewards = np.asarray([t.reward for t in trajectories])
+        metrics.update({
+            "rollout/reward_mean": float(rewards.mean()),
+            "rollout/truncated_ratio": float(np.mean([t.truncated for t in trajectories])),
+            "rollout/response_length_mean": float(np.mean([len(t.response_ids) for t in trajectories])),
+            "rollout/tool_calls_mean": float(np.mean([t.n_tool_calls for t in trajectories])),
+            "time/rollout_s": rollout_s,
+        })
+        return metrics, trajectories
