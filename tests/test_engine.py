@@ -10,7 +10,8 @@ from flax import nnx
 from scipy import stats
 
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
-from rstar_jax.rollout.engine import JaxEngine, sample_tokens
+from rstar_jax.rollout.engine import JaxEngine
+from rstar_jax.rollout.sampling import sample_tokens
 from rstar_jax.rollout.protocol import Generator, SamplingParams
 
 CONFIG = Qwen3Config.tiny()
@@ -32,14 +33,29 @@ def _prompt(n, seed):
     return np.random.default_rng(seed).integers(1, CONFIG.vocab_size, n).tolist()
 
 
-def _reference(model, prompt, n):
-    seq, logprobs = list(prompt), []
+REFERENCE_LENGTH = 128  # causal: right-padding to one shape leaves earlier positions' logits unchanged
+
+
+@jax.jit
+def _full_forward_logits(state, ids):
     with jax.default_matmul_precision("highest"):
-        for _ in range(n):
-            logits = model(jnp.asarray([seq]))[0, -1]
-            token = int(jnp.argmax(logits))
-            logprobs.append(float(jax.nn.log_softmax(logits)[token]))
-            seq.append(token)
+        return nnx.merge(GRAPHDEF, state)(ids)[0]
+
+
+GRAPHDEF = nnx.graphdef(Qwen3(CONFIG, rngs=nnx.Rngs(0)))
+
+
+def _reference(model, prompt, n):
+    """Greedy continuation by repeated full forwards (no KV cache), with raw log-softmax log-probs."""
+    seq, logprobs = list(prompt), []
+    state = nnx.state(model)
+    for _ in range(n):
+        ids = np.zeros((1, REFERENCE_LENGTH), np.int32)
+        ids[0, :len(seq)] = seq
+        logits = _full_forward_logits(state, jnp.asarray(ids))[len(seq) - 1]
+        token = int(jnp.argmax(logits))
+        logprobs.append(float(jax.nn.log_softmax(logits)[token]))
+        seq.append(token)
     return seq[len(prompt):], logprobs
 
 
@@ -89,8 +105,14 @@ def test_sampling_distribution_chi_square():
 
     def draw(temperature, top_p, top_k):
         f = jax.vmap(lambda k: sample_tokens(logits, k, jnp.asarray([temperature]), jnp.asarray([top_p]),
-                                             jnp.asarray([top_k]))[0])
-        return np.bincount(np.asarray(f(keys)), minlength=5)
+                                             jnp.asarray([top_k])))
+        tokens, logprobs = f(keys)
+        tokens, logprobs = np.asarray(tokens)[:, 0], np.asarray(logprobs)[:, 0]
+        # SGLang's reported log-prob: log-softmax of logits / T (T = 1 when greedy), before truncation.
+        scale = temperature if temperature > 0 else 1.0
+        expected_logprobs = np.asarray(jax.nn.log_softmax(logits[0] / scale))[tokens]
+        np.testing.assert_allclose(logprobs, expected_logprobs, atol=1e-6)
+        return np.bincount(tokens, minlength=5)
 
     base = np.asarray([0.05, 0.1, 0.15, 0.3, 0.4])
     cases = {
@@ -108,29 +130,71 @@ def test_sampling_distribution_chi_square():
     assert draw(0.0, 1.0, -1)[4] == n  # greedy
 
 
+def _wait_for_tokens(eng, rid, n=1):
+    """Polls until request `rid` is running and has at least n tokens."""
+    async def wait():
+        while not any(r is not None and r.rid == rid and len(r.tokens) >= n for r in eng._active):
+            await asyncio.sleep(0.0005)
+    return wait()
+
+
 def test_weight_update_changes_outputs_and_bumps_version(model):
     eng = JaxEngine(model, slots=2, max_length=64, prefill_buckets=(16,))
+    other = Qwen3(CONFIG, rngs=nnx.Rngs(1))
+    prompt = _prompt(7, 6)
+    greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
+    long = SamplingParams(max_new_tokens=57, temperature=0.0)
     try:
-        prompt = _prompt(7, 6)
-        greedy = SamplingParams(max_new_tokens=6, temperature=0.0)
         before = asyncio.run(eng.generate(prompt, greedy))
-        other = Qwen3(CONFIG, rngs=nnx.Rngs(1))
         assert eng.update_weights(other) == 1 and eng.version == 1
         after = asyncio.run(eng.generate(prompt, greedy))
         assert after.weight_version == 1 and before.weight_version == 0
         assert after.token_ids == _reference(other, prompt, 6)[0] != before.token_ids
 
-        async def abort_during():
-            task = asyncio.ensure_future(eng.generate(prompt, SamplingParams(max_new_tokens=60, temperature=0.0)))
-            await asyncio.sleep(0.3)
-            eng.update_weights(model, abort_in_flight=True)
-            return await task
+        async def update_while_running(abort):
+            task = asyncio.ensure_future(eng.generate(prompt, long, rid="feed0001"))
+            await _wait_for_tokens(eng, "feed0001")
+            if abort:
+                with eng._lock:  # freeze between steps so the partial length is known
+                    produced = len(next(r for r in eng._active if r is not None).tokens)
+                    eng.update_weights(model, abort_in_flight=True)
+            else:
+                produced = None
+                await asyncio.to_thread(eng.update_weights, model)
+            return await task, produced
 
-        aborted = asyncio.run(abort_during())
-        assert aborted.finish_reason == "abort" and 0 < len(aborted.token_ids) < 57
-        assert len(aborted.logprobs) == len(aborted.token_ids)
+        # Default: the running request finishes on the old weights (`other`), then the swap happens.
+        finished, _ = asyncio.run(update_while_running(abort=False))
+        assert finished.finish_reason == "length" and finished.weight_version == 1
+        assert finished.token_ids == _reference(other, prompt, 57)[0]
+        assert eng.version == 2
+        # abort_in_flight: the running request ends at once with its partial tokens.
+        eng.update_weights(other)
+        aborted, produced = asyncio.run(update_while_running(abort=True))
+        assert aborted.finish_reason == "abort" and len(aborted.token_ids) == produced < 57
+        assert aborted.token_ids == _reference(other, prompt, produced)[0]
+        assert len(aborted.logprobs) == produced and eng.version == 4
+        with pytest.raises(ValueError, match="shape"):
+            eng.update_weights(Qwen3(Qwen3Config.tiny(hidden_size=32), rngs=nnx.Rngs(0)))
     finally:
         eng.close()
+
+
+def test_pause_aborts_and_holds_new_requests(engine):
+    async def run():
+        running = asyncio.ensure_future(engine.generate(_prompt(5, 8), SamplingParams(max_new_tokens=80, temperature=0.0),
+                                                        rid="beef0001"))
+        await _wait_for_tokens(engine, "beef0001")
+        assert engine.pause() >= 1
+        held = asyncio.ensure_future(engine.generate(_prompt(5, 9), SamplingParams(max_new_tokens=3, temperature=0.0)))
+        await asyncio.sleep(0.05)
+        assert not held.done() and (await engine.capacity()).queued_requests == 1
+        engine.resume()
+        return await running, await held
+
+    running, held = asyncio.run(run())
+    assert running.finish_reason == "abort" and 1 <= len(running.token_ids) < 80
+    assert held.finish_reason == "length" and len(held.token_ids) == 3 and engine.is_idle()
 
 
 def test_abort_by_rid_prefix(engine):

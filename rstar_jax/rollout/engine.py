@@ -7,14 +7,18 @@ for every slot, so new requests are prefilled while others decode. Per-slot samp
 arrays (temperature, top-p, top-k are traced, never static). The asyncio front
 (`await engine.generate(...)`) implements `rstar_jax.rollout.protocol.Generator`.
 
-Log-probs: each returned log-prob is log-softmax of the model's raw logits (temperature 1, no top-p /
-top-k truncation) at the sampled token, i.e. what the trainer recomputes at temperature 1, so the
-sampler-vs-trainer drift metric compares like with like.
+Log-probs match SGLang (see `rstar_jax.rollout.sampling`): log-softmax of the temperature-scaled
+logits at the sampled token, before top-p / top-k truncation; `original_logprobs=True` gives the raw
+logits' log-softmax (SGLANG_RETURN_ORIGINAL_LOGPROB). Greedy rows and temperature 1 give the raw
+log-softmax either way, which is what the trainer recomputes.
 
-Weight updates (`update_weights`) swap the parameters between two engine steps and bump the
-version. Requests in flight either continue on the new weights (their result reports the version
-that finished them) or, with `abort_in_flight=True`, finish at once with reason "abort" and their
-partial tokens — the two behaviours of SGLang's pause modes.
+Weight updates (`update_weights`) follow SGLang's `/update_weights_from_disk`: by default the call
+stops admitting new requests, lets every running request finish on the old weights, swaps the
+parameters and bumps the version (queued requests then run on the new weights). With
+`abort_in_flight=True` (SGLang's `abort_all_requests`) running requests finish at once with reason
+"abort" and their partial tokens, and the swap happens between two engine steps. `pause()` is
+SGLang's `/pause_generation` in abort mode: it aborts everything and holds new requests queued
+until `resume()`.
 """
 
 from __future__ import annotations
@@ -34,31 +38,9 @@ from flax import nnx
 
 from rstar_jax.model.qwen3 import KVCache, Qwen3
 from rstar_jax.rollout.protocol import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Capacity, GenerateResult, SamplingParams
+from rstar_jax.rollout.sampling import sample_tokens
 
 MAX_STOP_IDS = 8
-
-
-def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array, top_k: jax.Array):
-    """Per-row sampling from logits [B, V] with per-row temperature / top-p / top-k ([B] each).
-
-    temperature < 1e-6 or top_k == 1 is greedy. top_k <= 0 disables top-k. Returns token ids [B].
-    """
-    logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
-    greedy = (temperature < 1e-6) | (top_k == 1)
-    scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    ranks = jnp.arange(vocab)[None, :]
-    k = jnp.where(top_k > 0, top_k, vocab)[:, None]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    cumulative = jnp.cumsum(probs, axis=-1)
-    # Keep a token while the mass before it is below top_p (the first token always stays).
-    keep = (ranks < k) & ((cumulative - probs) < top_p[:, None])
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
-    choice = jax.random.categorical(key, masked, axis=-1)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    return jnp.where(greedy, order[:, 0], sampled).astype(jnp.int32)
 
 
 @dataclasses.dataclass
@@ -81,7 +63,7 @@ class JaxEngine:
 
     def __init__(self, model: Qwen3, *, slots: int = 8, max_length: int = 2048,
                  prefill_buckets: Sequence[int] = (64, 128, 256, 512, 1024, 2048, 4096, 8192),
-                 seed: int = 0, cache_dtype: str | None = None):
+                 seed: int = 0, cache_dtype: str | None = None, original_logprobs: bool = False):
         if slots < 1 or max_length < 2:
             raise ValueError(f"JaxEngine: slots ({slots}) must be >= 1 and max_length ({max_length}) >= 2")
         self.slots = slots
@@ -99,6 +81,9 @@ class JaxEngine:
         self._wake = threading.Event()
         self._stopped = False
         self._abort_rids: set[str] = set()
+        self._original_logprobs = original_logprobs
+        self._admission_blocks = 0  # > 0 while paused or while a weight update drains running requests
+        self._paused = False
         self._thread = threading.Thread(target=self._run, name="jax-engine", daemon=True)
         self._rid_counter = itertools.count()
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
@@ -116,16 +101,16 @@ class JaxEngine:
         cache = KVCache(k=jax.lax.dynamic_update_slice_in_dim(cache.k, row.k, slot, axis=1),
                         v=jax.lax.dynamic_update_slice_in_dim(cache.v, row.v, slot, axis=1))
         last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, axis=0, keepdims=True)  # [1, V]
-        token = sample_tokens(last, key, temperature[None], top_p[None], top_k[None])
-        logprob = jnp.take_along_axis(jax.nn.log_softmax(last, axis=-1), token[:, None], axis=-1)[0, 0]
-        return cache, token[0], logprob
+        token, logprob = sample_tokens(last, key, temperature[None], top_p[None], top_k[None],
+                                       original=self._original_logprobs)
+        return cache, token[0], logprob[0]
 
     def _decode_fn(self, state, cache: KVCache, tokens, positions, key, temperature, top_p, top_k):
         model = nnx.merge(self._graphdef, state)
         logits, cache = model.forward_with_cache(tokens[:, None], positions[:, None], cache)
         logits = logits[:, 0]
-        next_tokens = sample_tokens(logits, key, temperature, top_p, top_k)
-        logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), next_tokens[:, None], axis=-1)[:, 0]
+        next_tokens, logprobs = sample_tokens(logits, key, temperature, top_p, top_k,
+                                              original=self._original_logprobs)
         return cache, next_tokens, logprobs
 
     # -- public API ---------------------------------------------------------------------------
@@ -154,7 +139,9 @@ class JaxEngine:
             raise
 
     async def abort(self, rid: str) -> None:
-        """Aborts requests whose rid starts with `rid` (SGLang's prefix semantics)."""
+        """Aborts requests whose rid starts with `rid` (SGLang's prefix semantics); "" is ignored."""
+        if not rid:
+            return
         self._abort_rids.add(rid)
         self._wake.set()
 
@@ -166,20 +153,87 @@ class JaxEngine:
                         running_requests=len(running), queued_requests=self._waiting.qsize())
 
     def update_weights(self, model_or_state, *, abort_in_flight: bool = False, version: int | None = None) -> int:
-        """Swaps in new parameters between engine steps; returns the new version."""
+        """Swaps in new parameters (a `Qwen3` or its `nnx.State`) and returns the new version.
+
+        Parameters are resharded onto the engine's placements when they live elsewhere. Without
+        `abort_in_flight`, running requests finish on the old weights first (new ones wait); with it
+        they end at once with reason "abort" and their partial tokens. Blocks until the swap is done.
+        """
         state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
-        shardings = jax.tree.map(lambda x: x.sharding, self._state)
-        new_state = jax.device_put(state, shardings)  # reshard when the trainer's mesh differs
+        if jax.tree.structure(state) != jax.tree.structure(self._state):
+            raise ValueError("update_weights: the new parameters do not match the engine's model structure")
+        for (path, new), old in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(self._state)):
+            if new.shape != old.shape:
+                raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} has shape {new.shape}, "
+                                 f"the engine's is {old.shape}")
+        # device_put onto the engine's shardings reshards when the trainer's mesh differs.
+        new_state = jax.tree.map(lambda new, old: jax.device_put(new.astype(old.dtype), old.sharding),
+                                 state, self._state)
         with self._lock:
-            if jax.tree.structure(new_state) != jax.tree.structure(self._state):
-                raise ValueError("update_weights: the new parameters do not match the engine's model structure")
-            self._state = new_state
-            self._version = self._version + 1 if version is None else version
-            if abort_in_flight:
-                for slot, request in enumerate(self._active):
-                    if request is not None:
-                        self._finish(slot, FINISH_ABORT)
-        return self._version
+            self._admission_blocks += 1
+        try:
+            while True:
+                with self._lock:
+                    if abort_in_flight:
+                        for slot, request in enumerate(self._active):
+                            if request is not None:
+                                self._finish(slot, FINISH_ABORT)
+                    if all(r is None for r in self._active):
+                        self._state = new_state
+                        self._version = self._version + 1 if version is None else int(version)
+                        return self._version
+                self._wake.set()
+                time.sleep(0.002)  # running requests finish on the old weights
+        finally:
+            with self._lock:
+                self._admission_blocks -= 1
+            self._wake.set()
+
+    def pause(self) -> int:
+        """SGLang's pause in abort mode: aborts running and queued requests, holds new ones queued.
+
+        Returns how many requests were aborted."""
+        with self._lock:
+            if not self._paused:
+                self._paused = True
+                self._admission_blocks += 1
+            aborted = 0
+            for slot, request in enumerate(self._active):
+                if request is not None:
+                    self._finish(slot, FINISH_ABORT)
+                    aborted += 1
+            while True:
+                try:
+                    self._resolve(self._waiting.get_nowait(), FINISH_ABORT)
+                    aborted += 1
+                except queue.Empty:
+                    break
+        return aborted
+
+    def resume(self) -> None:
+        """Ends a pause: queued requests are admitted again."""
+        with self._lock:
+            if self._paused:
+                self._paused = False
+                self._admission_blocks -= 1
+        self._wake.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def abort_all(self) -> int:
+        """Aborts every running and queued request (they return their partial tokens); returns how many."""
+        with self._lock:
+            count = sum(r is not None for r in self._active) + self._waiting.qsize()
+            self._abort_rids.add("")  # the empty prefix matches every rid
+        self._wake.set()
+        return count
+
+    def is_idle(self) -> bool:
+        """True when no request is running or queued."""
+        with self._lock:
+            return all(r is None for r in self._active) and self._waiting.empty()
 
     def close(self) -> None:
         self._stopped = True
@@ -232,6 +286,8 @@ class JaxEngine:
             self._waiting.put(request)
 
     def _admit(self) -> None:
+        if self._admission_blocks:
+            return
         for slot in range(self.slots):
             if self._active[slot] is not None:
                 continue
@@ -285,7 +341,8 @@ class JaxEngine:
                 self._admit()
                 self._decode_step()
                 self.steps += 1
-                busy = any(r is not None for r in self._active) or not self._waiting.empty()
+                running = any(r is not None for r in self._active)
+                busy = running or (not self._waiting.empty() and not self._admission_blocks)
             if not busy:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
