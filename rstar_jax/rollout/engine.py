@@ -68,6 +68,7 @@ class JaxEngine:
             raise ValueError(f"JaxEngine: slots ({slots}) must be >= 1 and max_length ({max_length}) >= 2")
         self.slots = slots
         self.max_length = max_length
+        self.vocab_size = model.config.vocab_size
         self.buckets = sorted({min(b, max_length) for b in prefill_buckets} | {max_length})
         self._graphdef, self._state = nnx.split(model)
         self._cache = model.init_cache(slots, max_length, cache_dtype)
@@ -124,6 +125,8 @@ class JaxEngine:
         prompt = [int(t) for t in input_ids]
         if not prompt:
             raise ValueError("generate: input_ids must be non-empty")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"generate: input_ids must lie in [0, {self.vocab_size})")
         if len(prompt) >= self.max_length:
             raise ValueError(f"generate: prompt of {len(prompt)} tokens does not fit max_length {self.max_length}")
         if len(sampling.stop_token_ids) > MAX_STOP_IDS:

@@ -1,0 +1,181 @@
+"""`python -m rstar_jax.serve` over real HTTP on loopback, driven by the SGLang client: every endpoint
+of the minimum surface, SGLang's response format, aborts, pause, and weight updates from disk."""
+
+import asyncio
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
+from rstar_jax.rollout.protocol import SamplingParams
+from rstar_jax.rollout.sglang import SGLangError, SGLangGenerator, sync_weights_via_disk
+from rstar_jax.serve import LocalServer
+from tests.test_engine import _reference
+
+CONFIG = Qwen3Config.tiny()
+SLOTS, MAX_LENGTH = 2, 512
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
+LONG = SamplingParams(max_new_tokens=480, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def server():
+    with LocalServer("tiny", slots=SLOTS, max_length=MAX_LENGTH, seed=0) as s:
+        yield s
+
+
+def _http(server, method, path, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(server.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _prompt(n, seed):
+    return np.random.default_rng(seed).integers(1, CONFIG.vocab_size, n).tolist()
+
+
+async def _until_running(gen, n=1):
+    while (await gen.capacity()).running_requests < n:
+        await asyncio.sleep(0.002)
+
+
+def test_generate_returns_sglang_format_and_matches_the_full_forward(server):
+    prompt = _prompt(9, 1)
+    tokens, logprobs = _reference(Qwen3(CONFIG, rngs=nnx.Rngs(0)), prompt, 6)
+    status, text = _http(server, "POST", "/generate", {
+        "input_ids": prompt, "rid": "00000000000000a1", "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
+                            "stop_token_ids": [tokens[3]], "skip_special_tokens": False, "no_stop_trim": True}})
+    assert status == 200
+    body = json.loads(text)
+    meta = body["meta_info"]
+    assert body["output_ids"] == tokens[:4]
+    assert meta["id"] == "00000000000000a1"
+    assert meta["finish_reason"] == {"type": "stop", "matched": tokens[3]}
+    assert (meta["prompt_tokens"], meta["completion_tokens"], meta["cached_tokens"]) == (9, 4, 0)
+    assert meta["weight_version"] == "0" and meta["e2e_latency"] > 0
+    assert [t[1] for t in meta["output_token_logprobs"]] == tokens[:4]
+    assert all(t[2] is None for t in meta["output_token_logprobs"])
+    np.testing.assert_allclose([t[0] for t in meta["output_token_logprobs"]], logprobs[:4], atol=1e-5)
+
+    async def via_client():
+        async with SGLangGenerator(server.url) as gen:
+            return await gen.generate(prompt, GREEDY)
+
+    result = asyncio.run(via_client())
+    assert result.token_ids == tokens and result.finish_reason == "length"
+    np.testing.assert_allclose(result.logprobs, logprobs, atol=1e-5)
+    status, text = _http(server, "POST", "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}})
+    assert status == 200 and json.loads(text)["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+    assert "output_token_logprobs" not in json.loads(text)["meta_info"]  # return_logprob defaults to false
+
+
+def test_bad_requests_name_the_field(server):
+    cases = [
+        ({"input_ids": []}, "input_ids must be a non-empty list"),
+        ({"input_ids": [1] * MAX_LENGTH}, "do not fit the context length"),
+        ({"input_ids": [CONFIG.vocab_size]}, "outside"),
+        ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"input_ids": [1], "sampling_params": {"stop": ["x"]}}, "sampling_params.stop"),
+        ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "unknown field"),
+        ({"text": "hi"}, "only input_ids"),
+    ]
+    for body, message in cases:
+        status, text = _http(server, "POST", "/generate", body)
+        assert status == 400 and message in text, (body, text)
+
+
+def test_info_load_health_and_memory_endpoints(server):
+    async def run():
+        async with SGLangGenerator(server.url) as gen:
+            info = await gen.server_info()
+            loads = await gen.loads()
+            capacity = await gen.capacity()
+            return info, loads, capacity, await gen.health(), await gen.weight_version()
+
+    info, loads, capacity, healthy, version = asyncio.run(run())
+    assert info["max_total_num_tokens"] == SLOTS * MAX_LENGTH == capacity.total_tokens
+    assert info["max_req_input_len"] == MAX_LENGTH - 1
+    assert info["internal_states"][0]["memory_usage"]["token_capacity"] == SLOTS * MAX_LENGTH
+    assert loads[0]["num_running_reqs"] == 0 and loads[0]["max_total_num_tokens"] == SLOTS * MAX_LENGTH
+    assert healthy and version == "0"
+    status, text = _http(server, "GET", "/get_load")
+    assert status == 200 and json.loads(text)[0]["num_reqs"] == 0
+    for path in ("/release_memory_occupation", "/resume_memory_occupation"):
+        assert _http(server, "POST", path, {"tags": None}) == (200, "null")
+    assert _http(server, "GET", "/flush_cache")[0] == 200
+
+
+def test_abort_by_rid_prefix_returns_partial_output_and_flush_refuses_while_busy(server):
+    async def run():
+        async with SGLangGenerator(server.url) as gen:
+            task = asyncio.ensure_future(gen.generate(_prompt(5, 2), LONG, rid="c0ffee0000000001"))
+            await _until_running(gen)
+            flush_status = await asyncio.to_thread(_http, server, "POST", "/flush_cache")
+            await gen.abort("c0ffee")
+            return await task, flush_status
+
+    result, (flush_status, _) = asyncio.run(run())
+    assert flush_status == 400
+    assert result.finish_reason == "abort" and 1 <= len(result.token_ids) < LONG.max_new_tokens
+    assert len(result.logprobs) == len(result.token_ids)
+    assert _http(server, "POST", "/abort_request", {"rid": "", "abort_all": False}) == (200, "")
+
+
+def test_pause_aborts_running_and_holds_new_requests(server):
+    async def run():
+        async with SGLangGenerator(server.url) as gen:
+            running = asyncio.ensure_future(gen.generate(_prompt(5, 3), LONG))
+            await _until_running(gen)
+            await gen.pause("abort")
+            aborted = await running
+            held = asyncio.ensure_future(gen.generate(_prompt(5, 4), GREEDY))
+            while (await gen.capacity()).queued_requests < 1:
+                await asyncio.sleep(0.002)
+            healthy_while_paused = await gen.health()
+            await gen.resume()
+            return aborted, await held, healthy_while_paused
+
+    aborted, held, healthy_while_paused = asyncio.run(run())
+    assert aborted.finish_reason == "abort" and held.finish_reason == "length" and len(held.token_ids) == 6
+    assert not healthy_while_paused
+    status, text = _http(server, "POST", "/pause_generation", {"mode": "retract"})
+    assert status == 400 and "abort" in text
+
+
+def test_weight_sync_via_disk(server, tmp_path):
+    """Abort mode: a running request returns partial output; new outputs come from the new weights."""
+    original = Qwen3(CONFIG, rngs=nnx.Rngs(0))
+    other = Qwen3(CONFIG, rngs=nnx.Rngs(1))
+    prompt = _prompt(7, 5)
+
+    async def run():
+        async with SGLangGenerator(server.url) as gen:
+            running = asyncio.ensure_future(gen.generate(_prompt(5, 6), LONG))
+            await _until_running(gen)
+            await sync_weights_via_disk(other, [gen], tmp_path / "weights", version=7, mode="abort")
+            interrupted = await running
+            after = await gen.generate(prompt, GREEDY)
+            reported = await gen.weight_version()
+            # "wait" mode with nothing running, back to the original weights.
+            await sync_weights_via_disk(original, [gen], tmp_path / "weights", version=8, mode="wait")
+            restored = await gen.generate(prompt, GREEDY)
+            with pytest.raises(SGLangError, match="update_weights_from_disk"):
+                await gen.update_weights_from_disk(tmp_path / "missing")
+            return interrupted, after, reported, restored, gen.version
+
+    interrupted, after, reported, restored, version = asyncio.run(run())
+    assert interrupted.finish_reason == "abort" and len(interrupted.token_ids) < LONG.max_new_tokens
+    assert reported == "7" and after.weight_version == 7
+    assert after.token_ids == _reference(other, prompt, 6)[0]
+    assert restored.token_ids == _reference(original, prompt, 6)[0] != after.token_ids
+    assert restored.weight_version == 8 == version
