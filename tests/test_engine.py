@@ -216,3 +216,31 @@ def test_abort_by_rid_prefix(engine):
     running, queued = asyncio.run(run())
     assert running.finish_reason == "abort" and 1 <= len(running.token_ids) < 80
     assert queued.finish_reason == "abort" and queued.token_ids == []
+
+
+def test_sharded_engine_on_the_8_device_mesh_matches_and_takes_resharded_weights(model):
+    """Parameters FSDP x tensor sharded, KV cache sharded over slots and KV heads; a weight update
+    from an unsharded model is resharded onto the engine's placements."""
+    from rstar_jax.parallel import make_mesh, shard_model
+
+    mesh = make_mesh(data=1, fsdp=4, tensor=2)
+    sharded = shard_model(Qwen3(CONFIG, rngs=nnx.Rngs(0)), mesh)
+    eng = JaxEngine(sharded, slots=4, max_length=64, prefill_buckets=(16,), mesh=mesh)
+    prompts = [_prompt(n, 30 + n) for n in (4, 9, 13)]
+    greedy = SamplingParams(max_new_tokens=5, temperature=0.0)
+
+    async def batch():
+        return await asyncio.gather(*[eng.generate(p, greedy) for p in prompts])
+
+    try:
+        assert len(eng._cache.k.sharding.device_set) == 8
+        for p, r in zip(prompts, asyncio.run(batch())):
+            assert r.token_ids == _reference(model, p, 5)[0]
+        other = Qwen3(CONFIG, rngs=nnx.Rngs(1))
+        eng.update_weights(other)
+        leaf = jax.tree.leaves(eng._state)[0]
+        assert len(leaf.sharding.device_set) == 8
+        for p, r in zip(prompts, asyncio.run(batch())):
+            assert r.token_ids == _reference(other, p, 5)[0]
+    finally:
+        eng.close()

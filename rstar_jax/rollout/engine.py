@@ -43,6 +43,17 @@ from rstar_jax.rollout.sampling import sample_tokens
 MAX_STOP_IDS = 8
 
 
+def cache_sharding(mesh: jax.sharding.Mesh, slots: int, kv_heads: int) -> jax.sharding.NamedSharding:
+    """KV cache [layers, slots, length, kv_heads, head_dim] placement: slots over the data-parallel
+    axes and KV heads over "tensor" (as the attention activations are), each only when it divides."""
+    data_axes = tuple(a for a in ("data", "fsdp") if a in mesh.shape)
+    data_size = int(np.prod([mesh.shape[a] for a in data_axes])) if data_axes else 1
+    tensor = mesh.shape.get("tensor", 1)
+    spec = jax.sharding.PartitionSpec(None, data_axes if data_axes and slots % data_size == 0 else None, None,
+                                      "tensor" if tensor > 1 and kv_heads % tensor == 0 else None, None)
+    return jax.sharding.NamedSharding(mesh, spec)
+
+
 @dataclasses.dataclass
 class _Request:
     rid: str
@@ -63,7 +74,8 @@ class JaxEngine:
 
     def __init__(self, model: Qwen3, *, slots: int = 8, max_length: int = 2048,
                  prefill_buckets: Sequence[int] = (64, 128, 256, 512, 1024, 2048, 4096, 8192),
-                 seed: int = 0, cache_dtype: str | None = None, original_logprobs: bool = False):
+                 seed: int = 0, cache_dtype: str | None = None, original_logprobs: bool = False,
+                 mesh: jax.sharding.Mesh | None = None):
         if slots < 1 or max_length < 2:
             raise ValueError(f"JaxEngine: slots ({slots}) must be >= 1 and max_length ({max_length}) >= 2")
         self.slots = slots
@@ -72,6 +84,8 @@ class JaxEngine:
         self.buckets = sorted({min(b, max_length) for b in prefill_buckets} | {max_length})
         self._graphdef, self._state = nnx.split(model)
         self._cache = model.init_cache(slots, max_length, cache_dtype)
+        if mesh is not None:
+            self._cache = jax.device_put(self._cache, cache_sharding(mesh, slots, model.config.num_kv_heads))
         self._key = jax.random.key(seed)
         self._version = 0
         self._waiting: queue.Queue[_Request] = queue.Queue()
