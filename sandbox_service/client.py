@@ -1,0 +1,426 @@
+"""Async client of the sandbox service: several endpoints, send-worker batching, bounded retries.
+
+    async with SandboxClient(["10.0.0.5:50051", "10.0.0.6:50051"]) as client:
+        r = await client.execute("print(1 + 1)")          # r.status == "ok", r.stdout == "2\\n"
+        v = await client.verify(response_text, "42")       # v.correct
+
+Calls to `execute` are gathered into batches (up to `batch_size` calls, or what arrives within
+`batch_wait_ms` after the first), as rStar2's send workers do, and sent as one streaming ExecuteBatch
+RPC whose results resolve each caller as soon as its own program finishes. `batch_size=1` sends unary
+Execute RPCs instead. Endpoints are picked round robin or least loaded (fewest calls in flight from
+this client). Transient failures — the server unreachable or restarting, a full queue
+(RESOURCE_EXHAUSTED / "rejected"), a lost worker ("sandbox_error") — are retried with exponential
+backoff up to `max_retries` times; executions have no effects outside their sandbox, so a retry is
+safe. A call whose retries run out returns a result with that status and a message; it never
+disappears silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import random
+import time
+from typing import AsyncIterator, Iterable, Mapping, Sequence
+
+import grpc
+
+from sandbox_service import status
+from sandbox_service._pb import pb2, pb2_grpc
+
+log = logging.getLogger("sandbox_service.client")
+
+POLICIES = ("least_loaded", "round_robin")
+_NOT_RETRYABLE = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED,
+                  grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.OUT_OF_RANGE}
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20),
+                    ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+                    ("grpc.max_reconnect_backoff_ms", 1000), ("grpc.enable_retries", 0)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecResult:
+    status: str  # one of sandbox_service.status.ALL
+    exit_code: int  # negative: killed by that signal
+    stdout: str  # decoded as UTF-8 with errors="replace"; raw bytes in stdout_bytes
+    stderr: str
+    duration_s: float
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
+    stdout_bytes: bytes = b""
+    stderr_bytes: bytes = b""
+    cpu_s: float = 0.0
+    message: str = ""  # why, for rejected / sandbox_error
+    attempts: int = 1
+    target: str = ""
+    index: int = -1  # position in the input of execute_batch / execute_many
+
+    @property
+    def ok(self) -> bool:
+        return self.status == status.OK
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyResult:
+    correct: bool
+    status: str  # "ok" when the comparison finished, else why not (timeout, runtime_error, ...)
+    extracted: str | None
+    duration_s: float = 0.0
+    message: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecRequest:
+    code: str
+    stdin: str = ""
+    timeout_s: float | None = None
+    memory_mb: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerInfo:
+    target: str
+    isolation_level: str
+    isolation_features: dict
+    isolation_warnings: list
+    workers: int
+    workers_alive: int
+    slots_per_worker: int
+    capacity: int
+    queue_depth: int
+    in_flight: int
+    max_queue: int
+    counters: dict
+    default_timeout_s: float
+    default_memory_mb: int
+    output_limit_bytes: int
+    version: str
+    uptime_s: float
+
+
+class _Endpoint:
+    def __init__(self, target: str):
+        self.target = target
+        self.channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
+        self.stub = pb2_grpc.SandboxStub(self.channel)
+        self.in_flight = 0
+        self.down_until = 0.0
+
+
+@dataclasses.dataclass
+class _Pending:
+    request: ExecRequest
+    future: asyncio.Future
+    attempts: int = 0
+    last_status: str = status.SANDBOX_ERROR
+    last_message: str = ""
+
+
+def _as_request(item) -> ExecRequest:
+    if isinstance(item, ExecRequest):
+        return item
+    if isinstance(item, str):
+        return ExecRequest(item)
+    if isinstance(item, tuple):
+        return ExecRequest(*item)
+    if isinstance(item, Mapping):
+        return ExecRequest(**item)
+    raise TypeError(f"batch request must be ExecRequest, str, tuple or mapping; got {type(item).__name__}")
+
+
+def _decode(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace")
+
+
+class SandboxClient:
+    def __init__(self, targets: str | Sequence[str], *, policy: str = "least_loaded", timeout_s: float | None = None,
+                 memory_mb: int | None = None, max_retries: int = 10, backoff_s: float = 0.1,
+                 max_backoff_s: float = 2.0, batch_size: int = 32, batch_wait_ms: float = 2.0,
+                 max_inflight_batches: int = 64, rpc_timeout_s: float = 900.0):
+        """targets: "host:port" or several. timeout_s / memory_mb: default limits sent with every call
+        (None: the server's defaults). rpc_timeout_s bounds one RPC attempt (queueing included)."""
+        targets = [targets] if isinstance(targets, str) else list(targets)
+        if not targets or not all(isinstance(t, str) and t for t in targets):
+            raise ValueError(f"SandboxClient: targets must be non-empty 'host:port' strings; got {targets!r}")
+        if policy not in POLICIES:
+            raise ValueError(f"SandboxClient: policy must be one of {POLICIES}; got {policy!r}")
+        if batch_size < 1 or batch_wait_ms < 0 or max_retries < 0 or max_inflight_batches < 1:
+            raise ValueError("SandboxClient: batch_size >= 1, batch_wait_ms >= 0, max_retries >= 0 and "
+                             "max_inflight_batches >= 1 are required")
+        self.targets = targets
+        self.policy = policy
+        self.timeout_s, self.memory_mb = timeout_s, memory_mb
+        self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
+        self.batch_size, self.batch_wait_s = batch_size, batch_wait_ms / 1000.0
+        self.max_inflight_batches = max_inflight_batches
+        self.rpc_timeout_s = rpc_timeout_s
+        self._endpoints: list[_Endpoint] | None = None
+        self._rr = itertools.count()
+        self._ids = itertools.count()
+        self._queue: asyncio.Queue | None = None
+        self._batcher: asyncio.Task | None = None
+        self._batch_slots: asyncio.Semaphore | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    async def __aenter__(self) -> "SandboxClient":
+        self._ensure_started()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    def _ensure_started(self) -> None:
+        if self._closed:
+            raise RuntimeError("SandboxClient is closed")
+        if self._endpoints is None:
+            self._endpoints = [_Endpoint(t) for t in self.targets]
+            self._queue = asyncio.Queue()
+            self._batch_slots = asyncio.Semaphore(self.max_inflight_batches)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        tasks = list(self._tasks) + ([self._batcher] if self._batcher else [])
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._queue is not None:
+            while not self._queue.empty():
+                p = self._queue.get_nowait()
+                if not p.future.done():
+                    p.future.set_exception(RuntimeError("SandboxClient closed before the call was sent"))
+        for ep in self._endpoints or []:
+            await ep.channel.close()
+
+    # -- endpoint choice and retries -----------------------------------------------------------------
+    def _pick(self) -> _Endpoint:
+        now = time.monotonic()
+        up = [e for e in self._endpoints if e.down_until <= now] or self._endpoints
+        if self.policy == "round_robin":
+            return up[next(self._rr) % len(up)]
+        start = next(self._rr) % len(up)  # rotate ties
+        return min(up[start:] + up[:start], key=lambda e: e.in_flight)
+
+    def _backoff(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * (2 ** attempt)) * (0.5 + random.random() / 2)
+
+    def _pb_request(self, req: ExecRequest) -> pb2.ExecuteRequest:
+        timeout = req.timeout_s if req.timeout_s is not None else self.timeout_s
+        memory = req.memory_mb if req.memory_mb is not None else self.memory_mb
+        if not isinstance(req.code, str):
+            raise TypeError(f"code must be a str; got {type(req.code).__name__}")
+        if not isinstance(req.stdin, str):
+            raise TypeError(f"stdin must be a str; got {type(req.stdin).__name__}")
+        return pb2.ExecuteRequest(request_id=str(next(self._ids)), code=req.code, stdin=req.stdin,
+                                  timeout_s=float(timeout or 0.0), memory_mb=int(memory or 0))
+
+    @staticmethod
+    def _result(r, attempts: int, target: str) -> ExecResult:
+        return ExecResult(status=r.status, exit_code=r.exit_code, stdout=_decode(r.stdout), stderr=_decode(r.stderr),
+                          duration_s=r.duration_s, stdout_truncated=r.stdout_truncated,
+                          stderr_truncated=r.stderr_truncated, stdout_bytes=r.stdout, stderr_bytes=r.stderr,
+                          cpu_s=r.cpu_s, message=r.message, attempts=attempts, target=target)
+
+    @staticmethod
+    def _failure(code: str, message: str, attempts: int, target: str = "") -> ExecResult:
+        return ExecResult(status=code, exit_code=-1, stdout="", stderr=message, duration_s=0.0, message=message,
+                          attempts=attempts, target=target)
+
+    # -- execute -------------------------------------------------------------------------------------
+    async def execute(self, code: str, stdin: str = "", *, timeout_s: float | None = None,
+                      memory_mb: int | None = None) -> ExecResult:
+        """Runs `code` with `stdin`; timeout_s / memory_mb override the client's defaults."""
+        self._ensure_started()
+        request = ExecRequest(code, stdin, timeout_s, memory_mb)
+        self._pb_request(request)  # type errors surface here, in the caller
+        if self.batch_size == 1:
+            return await self._execute_unary(request)
+        pending = _Pending(request, asyncio.get_running_loop().create_future())
+        self._queue.put_nowait(pending)
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.create_task(self._batch_loop())
+        return await pending.future
+
+    async def _execute_unary(self, request: ExecRequest) -> ExecResult:
+        last_code, last_message, target = status.SANDBOX_ERROR, "", ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self._backoff(attempt - 1))
+            ep = self._pick()
+            target = ep.target
+            ep.in_flight += 1
+            try:
+                r = await ep.stub.Execute(self._pb_request(request), timeout=self.rpc_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                last_code, last_message = self._classify(e, ep)
+                if e.code() in _NOT_RETRYABLE:
+                    return self._failure(status.REJECTED, f"invalid request: {e.details()}", attempt + 1, target)
+                continue
+            finally:
+                ep.in_flight -= 1
+            if r.retryable and r.status in (status.REJECTED, status.SANDBOX_ERROR):
+                last_code, last_message = r.status, r.message
+                continue
+            return self._result(r, attempt + 1, target)
+        return self._failure(last_code, f"gave up after {self.max_retries + 1} attempts: {last_message}",
+                             self.max_retries + 1, target)
+
+    def _classify(self, e: grpc.aio.AioRpcError, ep: _Endpoint) -> tuple[str, str]:
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return status.REJECTED, e.details() or "queue full"
+        if e.code() == grpc.StatusCode.UNAVAILABLE:
+            ep.down_until = time.monotonic() + self.backoff_s
+        return status.SANDBOX_ERROR, f"{e.code().name}: {e.details()}"
+
+    async def _batch_loop(self) -> None:
+        while True:
+            first = await self._queue.get()
+            batch = [first]
+            if self.batch_wait_s > 0 and self._queue.qsize() < self.batch_size - 1:
+                await asyncio.sleep(self.batch_wait_s)
+            while len(batch) < self.batch_size and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            batch = [p for p in batch if not p.future.done()]  # callers that gave up
+            if not batch:
+                continue
+            await self._batch_slots.acquire()
+            task = asyncio.create_task(self._send_batch(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._batch_done)
+
+    def _batch_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._batch_slots.release()
+
+    async def _send_batch(self, batch: list[_Pending]) -> None:
+        ep = self._pick()
+        by_id: dict[str, _Pending] = {}
+        requests = []
+        for p in batch:
+            req = self._pb_request(p.request)
+            by_id[req.request_id] = p
+            requests.append(req)
+            p.attempts += 1
+        ep.in_flight += len(batch)
+        retry: list[_Pending] = []
+        try:
+            call = ep.stub.ExecuteBatch(pb2.ExecuteBatchRequest(requests=requests), timeout=self.rpc_timeout_s)
+            async for r in call:
+                p = by_id.pop(r.request_id, None)
+                if p is None:
+                    continue
+                ep.in_flight -= 1
+                if r.retryable and r.status in (status.REJECTED, status.SANDBOX_ERROR):
+                    p.last_status, p.last_message = r.status, r.message
+                    retry.append(p)
+                elif not p.future.done():
+                    p.future.set_result(self._result(r, p.attempts, ep.target))
+        except grpc.aio.AioRpcError as e:
+            code, message = self._classify(e, ep)
+            for p in by_id.values():
+                p.last_status, p.last_message = code, message
+                if e.code() in _NOT_RETRYABLE and not p.future.done():
+                    p.future.set_result(self._failure(status.REJECTED, f"invalid request: {e.details()}", p.attempts,
+                                                      ep.target))
+        finally:
+            ep.in_flight -= len(by_id)
+        for p in by_id.values():  # no result came back for these
+            if not p.future.done():
+                p.last_message = p.last_message or "the result stream ended without this call's result"
+                retry.append(p)
+        for p in retry:
+            if p.future.done():
+                continue
+            if p.attempts > self.max_retries:
+                p.future.set_result(self._failure(p.last_status, f"gave up after {p.attempts} attempts: {p.last_message}",
+                                                  p.attempts, ep.target))
+                continue
+            task = asyncio.create_task(self._requeue(p, self._backoff(p.attempts - 1)))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _requeue(self, p: _Pending, delay: float) -> None:
+        await asyncio.sleep(delay)
+        self._queue.put_nowait(p)
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.create_task(self._batch_loop())
+
+    async def execute_batch(self, requests: Iterable) -> AsyncIterator[ExecResult]:
+        """Yields results in completion order; each carries `index`, its position in `requests`.
+        Items: ExecRequest, a code string, a (code, stdin) tuple or a mapping of ExecRequest fields."""
+        reqs = [_as_request(r) for r in requests]
+
+        async def one(i: int, r: ExecRequest) -> ExecResult:
+            res = await self.execute(r.code, r.stdin, timeout_s=r.timeout_s, memory_mb=r.memory_mb)
+            return dataclasses.replace(res, index=i)
+
+        tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(reqs)]
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                yield await next_done
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def execute_many(self, requests: Iterable) -> list[ExecResult]:
+        """All results, in input order."""
+        reqs = [_as_request(r) for r in requests]
+        results = await asyncio.gather(*(self.execute(r.code, r.stdin, timeout_s=r.timeout_s, memory_mb=r.memory_mb)
+                                         for r in reqs))
+        return [dataclasses.replace(r, index=i) for i, r in enumerate(results)]
+
+    # -- verify and info -----------------------------------------------------------------------------
+    async def verify(self, response_text: str, gold_answer: str, *, timeout_s: float | None = None) -> VerifyResult:
+        """Extracts the final answer of `response_text` and compares it with `gold_answer` on the
+        server, under a hard deadline (timeout_s; None: the server's default)."""
+        self._ensure_started()
+        if not isinstance(response_text, str) or not isinstance(gold_answer, str):
+            raise TypeError("verify: response_text and gold_answer must be str")
+        last = ""
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self._backoff(attempt - 1))
+            ep = self._pick()
+            ep.in_flight += 1
+            try:
+                r = await ep.stub.Verify(pb2.VerifyRequest(request_id=str(next(self._ids)), response_text=response_text,
+                                                           gold_answer=gold_answer, timeout_s=float(timeout_s or 0.0)),
+                                         timeout=self.rpc_timeout_s)
+            except grpc.aio.AioRpcError as e:
+                last = f"{e.code().name}: {e.details()}"
+                self._classify(e, ep)
+                if e.code() in _NOT_RETRYABLE:
+                    return VerifyResult(False, status.REJECTED, None, message=last)
+                continue
+            finally:
+                ep.in_flight -= 1
+            if r.status == status.SANDBOX_ERROR:
+                last = r.message
+                continue
+            return VerifyResult(correct=r.correct, status=r.status, extracted=r.extracted if r.has_extracted else None,
+                                duration_s=r.duration_s, message=r.message)
+        return VerifyResult(False, status.SANDBOX_ERROR, None, message=f"gave up: {last}")
+
+    async def info(self, target: str | None = None) -> ServerInfo:
+        """Isolation level, workers, queue depth and capacity of one endpoint (default: the first)."""
+        self._ensure_started()
+        ep = next((e for e in self._endpoints if e.target == target), None) if target else self._endpoints[0]
+        if ep is None:
+            raise ValueError(f"info: unknown target {target!r}; known: {self.targets}")
+        r = await ep.stub.Info(pb2.InfoRequest(), timeout=30)
+        return ServerInfo(target=ep.target, isolation_level=r.isolation_level,
+                          isolation_features=dict(r.isolation_features), isolation_warnings=list(r.isolation_warnings),
+                          workers=r.workers, workers_alive=r.workers_alive, slots_per_worker=r.slots_per_worker,
+                          capacity=r.capacity, queue_depth=r.queue_depth, in_flight=r.in_flight, max_queue=r.max_queue,
+                          counters=dict(r.counters), default_timeout_s=r.default_timeout_s,
+                          default_memory_mb=r.default_memory_mb, output_limit_bytes=r.output_limit_bytes,
+                          version=r.version, uptime_s=r.uptime_s)
+
+    async def info_all(self) -> list[ServerInfo]:
+        self._ensure_started()
+        return list(await asyncio.gather(*(self.info(e.target) for e in self._endpoints)))

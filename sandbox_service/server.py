@@ -1,0 +1,490 @@
+"""gRPC (grpc.aio) front end and the supervised worker pool.
+
+The server process never forks: workers are started with exec (`python -m sandbox_service.workers`)
+and talk over a Unix socket pair. Two flavours of workers run side by side: "lean" (standard library
+pre-imported, cheapest fork) and "sci" (numpy, sympy, scipy, math-verify pre-imported); a call goes to
+"sci" when its code names one of those libraries, and Verify always does.
+
+Admission is bounded: at most capacity + max_queue calls are admitted; beyond that Execute answers
+RESOURCE_EXHAUSTED at once and ExecuteBatch items come back "rejected" (retryable). A worker that dies
+or hangs is killed and restarted; its in-flight calls are re-dispatched once (executions have no
+effects outside their sandbox), and come back as sandbox_error if the retry is lost too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import math
+import os
+import re
+import secrets
+import socket
+import sys
+import time
+
+import grpc
+
+from sandbox_service import isolation, status
+from sandbox_service._pb import pb2, pb2_grpc
+from sandbox_service.framing import encode, read_frame
+
+log = logging.getLogger("sandbox_service")
+
+VERSION = "1.0"
+_SCI_NAMES = re.compile(r"\b(?:numpy|sympy|scipy|mpmath|networkx|math_verify)\b")
+_LEVEL_ORDER = {"minimal": 0, "partial": 1, "full": 2}
+HANG_SLACK_S = 10.0  # a worker that has not answered this long after a call's deadline is hung
+
+
+@dataclasses.dataclass
+class ServerOptions:
+    host: str = "127.0.0.1"
+    port: int = 0
+    workers: int = 2  # per flavour
+    slots: int = 4  # concurrent calls per worker
+    timeout_s: float = 10.0
+    max_timeout_s: float = 300.0
+    memory_mb: int = 1024
+    max_memory_mb: int = 32768
+    max_queue: int = 4096
+    output_limit_bytes: int = 64 << 10
+    max_code_bytes: int = 1 << 20
+    max_stdin_bytes: int = 1 << 20
+    verify_timeout_s: float = 10.0
+    scratch_mb: int = 64
+    pids_max: int = 64
+    isolation: str = "auto"  # "auto" | "minimal" (rlimits only; for tests of the degraded path)
+    uid_base: int = 1_500_000
+
+    def validate(self) -> None:
+        checks = [("workers", self.workers >= 1), ("slots", self.slots >= 1), ("timeout_s", 0 < self.timeout_s <= self.max_timeout_s),
+                  ("memory_mb", 16 <= self.memory_mb <= self.max_memory_mb), ("max_queue", self.max_queue >= 0),
+                  ("output_limit_bytes", 1 <= self.output_limit_bytes <= 16 << 20), ("isolation", self.isolation in ("auto", "minimal")),
+                  ("verify_timeout_s", 0 < self.verify_timeout_s <= self.max_timeout_s), ("scratch_mb", self.scratch_mb >= 1),
+                  ("pids_max", self.pids_max >= 4)]
+        bad = [name for name, ok in checks if not ok]
+        if bad:
+            raise ValueError(f"invalid server options: {', '.join(f'{b}={getattr(self, b)!r}' for b in bad)}")
+
+
+class WorkerLost(Exception):
+    def __init__(self, message: str, *, ran: bool = True):
+        super().__init__(message)
+        self.ran = ran
+
+
+@dataclasses.dataclass
+class Job:
+    kind: str  # "exec" | "verify"
+    flavour: str
+    blobs: list[bytes]
+    timeout_s: float
+    memory_mb: int
+    future: asyncio.Future
+    attempts: int = 0
+
+
+class WorkerHandle:
+    """One worker process: start, framed request/response, death detection."""
+
+    def __init__(self, pool: "Pool", flavour: str, index: int):
+        self.pool, self.flavour, self.index = pool, flavour, index
+        self.name = f"{flavour}{index}"
+        self.proc: asyncio.subprocess.Process | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.alive = False
+        self.ready = asyncio.Event()
+        self.report: dict | None = None
+        self.pending: dict[int, asyncio.Future] = {}
+        self.ids = itertools.count(1)
+        self.restarts = 0
+        self._reader_task: asyncio.Task | None = None
+        self._stopping = False
+
+    async def start(self) -> None:
+        o = self.pool.options
+        parent, child = socket.socketpair()
+        cmd = [sys.executable, "-m", "sandbox_service.workers", "--fd", str(child.fileno()), "--index", str(self.index),
+               "--flavour", self.flavour, "--slots", str(o.slots), "--instance", self.pool.instance,
+               "--isolation", o.isolation, "--uid-base", str(o.uid_base), "--pids-max", str(o.pids_max),
+               "--scratch-mb", str(o.scratch_mb), "--output-limit", str(o.output_limit_bytes)]
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                *cmd, pass_fds=(child.fileno(),), stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL, env=env)
+        finally:
+            child.close()
+        reader, self.writer = await asyncio.open_unix_connection(sock=parent)
+        try:
+            header, _ = await asyncio.wait_for(read_frame(reader), timeout=120)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ValueError) as e:
+            await self._kill_process()
+            raise RuntimeError(f"worker {self.name} did not start: {e!r}") from e
+        if header.get("type") != "ready":
+            await self._kill_process()
+            raise RuntimeError(f"worker {self.name} sent {header!r} instead of ready")
+        self.report = header["isolation"]
+        self.alive = True
+        self._reader_task = asyncio.create_task(self._read_loop(reader))
+        self.ready.set()
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                header, blobs = await read_frame(reader)
+                fut = self.pending.pop(header.get("id"), None)
+                if fut is not None and not fut.done():
+                    fut.set_result((header, blobs))
+        except (asyncio.IncompleteReadError, ConnectionError, ValueError) as e:
+            if not self._stopping:
+                log.error("worker %s lost: %r", self.name, e)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._on_lost("the worker process died")
+
+    def _on_lost(self, why: str) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        self.ready.clear()
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(WorkerLost(f"worker {self.name}: {why}"))
+        self.pending.clear()
+        if not self._stopping:
+            self.pool.counters["worker_restarts"] += 1
+            asyncio.get_running_loop().create_task(self._restart())
+
+    async def _restart(self) -> None:
+        await self._kill_process()
+        delay = 0.1
+        while not self._stopping:
+            try:
+                await self.start()
+                self.restarts += 1
+                log.warning("worker %s restarted", self.name)
+                return
+            except Exception as e:  # noqa: BLE001 - keep trying: the pool must heal itself
+                log.error("restarting worker %s failed: %s; retrying in %.1fs", self.name, e, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def call(self, job: Job) -> tuple[dict, list[bytes]]:
+        if not self.alive:
+            raise WorkerLost(f"worker {self.name} is not running", ran=False)
+        call_id = next(self.ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.pending[call_id] = fut
+        self.writer.write(encode({"type": "call", "id": call_id, "kind": job.kind, "timeout_s": job.timeout_s,
+                                  "memory_mb": job.memory_mb}, job.blobs))
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout=job.timeout_s + HANG_SLACK_S)
+        except asyncio.TimeoutError:
+            log.error("worker %s did not answer call %d in time; killing it", self.name, call_id)
+            self.pending.pop(call_id, None)
+            await self._kill_process()
+            raise WorkerLost(f"worker {self.name} hung") from None
+
+    async def _kill_process(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                self.proc.kill()
+            except ProcessLookupError:
+                pass
+            await self.proc.wait()
+        if self.writer is not None:
+            self.writer.close()
+
+    async def stop(self) -> None:
+        """Closes the control socket (the zygote kills its calls, removes its cgroups and exits)."""
+        self._stopping = True
+        if self._reader_task:
+            self._reader_task.cancel()
+        if self.writer is not None:
+            self.writer.close()
+        if self.proc is not None and self.proc.returncode is None:
+            try:
+                await asyncio.wait_for(self.proc.wait(), timeout=5)
+            except asyncio.TimeoutError:
+                await self._kill_process()
+        self._on_lost("stopped")
+
+
+class Pool:
+    """Workers of both flavours, a priority queue per flavour, and bounded admission."""
+
+    def __init__(self, options: ServerOptions):
+        self.options = options
+        self.instance = f"{os.getpid()}-{secrets.token_hex(3)}"
+        self.workers = {f: [WorkerHandle(self, f, i) for i in range(options.workers)] for f in ("lean", "sci")}
+        self.queues: dict[str, asyncio.PriorityQueue] = {}
+        self.seq = itertools.count()
+        self.in_flight = 0
+        self.counters: dict[str, int] = {s: 0 for s in status.ALL}
+        self.counters.update(worker_restarts=0, retried=0, verify_calls=0)
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def capacity(self) -> int:
+        return 2 * self.options.workers * self.options.slots
+
+    def all_workers(self) -> list[WorkerHandle]:
+        return [w for ws in self.workers.values() for w in ws]
+
+    async def start(self) -> None:
+        self.queues = {f: asyncio.PriorityQueue() for f in self.workers}
+        await asyncio.gather(*(w.start() for w in self.all_workers()))
+        for w in self.all_workers():
+            for _ in range(self.options.slots):
+                self._tasks.append(asyncio.create_task(self._slot_loop(w)))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*(w.stop() for w in self.all_workers()), return_exceptions=True)
+        for _ in range(50):  # slot groups disappear once their last process is reaped
+            isolation.remove_instance_cgroups(self.instance)
+            if not any(os.path.isdir(f"{r}/sandbox_service/{self.instance}") for r in
+                       (f"{isolation.CGROUP_V1}/memory", f"{isolation.CGROUP_V1}/pids", *isolation.CGROUP_V2_CANDIDATES)):
+                break
+            await asyncio.sleep(0.02)
+
+    def isolation_summary(self) -> dict:
+        reports = [w.report for w in self.all_workers() if w.report]
+        if not reports:
+            return {"level": "minimal", "features": {}, "warnings": ["no worker has started"]}
+        level = min((r["level"] for r in reports), key=_LEVEL_ORDER.__getitem__)
+        features = {k: all(r["features"].get(k, False) for r in reports) for k in reports[0]["features"]}
+        warnings = sorted({w for r in reports for w in r["warnings"]})
+        return {"level": level, "features": features, "warnings": warnings}
+
+    def queue_depth(self) -> int:
+        return sum(q.qsize() for q in self.queues.values())
+
+    def try_admit(self) -> bool:
+        if self.in_flight >= self.capacity + self.options.max_queue:
+            self.counters[status.REJECTED] += 1
+            return False
+        self.in_flight += 1
+        return True
+
+    async def run(self, kind: str, flavour: str, blobs: list[bytes], timeout_s: float, memory_mb: int):
+        """Runs an admitted job; returns the worker's (header, blobs). Releases the admission."""
+        job = Job(kind, flavour, blobs, timeout_s, memory_mb, asyncio.get_running_loop().create_future())
+        try:
+            self.queues[flavour].put_nowait((1, next(self.seq), job))
+            return await job.future
+        finally:
+            self.in_flight -= 1
+            if not job.future.done():
+                job.future.cancel()  # the caller went away: a queued job is skipped
+
+    async def _slot_loop(self, worker: WorkerHandle) -> None:
+        queue = self.queues[worker.flavour]
+        while True:
+            await worker.ready.wait()
+            _, _, job = await queue.get()
+            if job.future.done():
+                continue
+            if not worker.alive:
+                queue.put_nowait((0, next(self.seq), job))
+                continue
+            try:
+                result = await worker.call(job)
+            except WorkerLost as e:
+                if e.ran:
+                    job.attempts += 1
+                if job.attempts < 2:
+                    self.counters["retried"] += int(e.ran)
+                    queue.put_nowait((0, next(self.seq), job))
+                elif not job.future.done():
+                    job.future.set_result(_error_header(f"{e}; the call was lost twice"))
+                continue
+            if not job.future.done():
+                job.future.set_result(result)
+
+
+def _error_header(message: str) -> tuple[dict, list[bytes]]:
+    return ({"status": status.SANDBOX_ERROR, "exit_code": -1, "duration_s": 0.0, "cpu_s": 0.0, "stdout_truncated": False,
+             "stderr_truncated": False, "message": message, "retryable": True}, [b"", b""])
+
+
+class SandboxServicer(pb2_grpc.SandboxServicer):
+    def __init__(self, pool: Pool):
+        self.pool = pool
+        self.options = pool.options
+        self.started = time.monotonic()
+
+    # -- validation ----------------------------------------------------------------------------------
+    def _limits(self, timeout_s: float, memory_mb: int, default_timeout: float) -> tuple[float, int]:
+        o = self.options
+        timeout = timeout_s or default_timeout
+        if not (math.isfinite(timeout) and 0 < timeout <= o.max_timeout_s):
+            raise ValueError(f"timeout_s must be in (0, {o.max_timeout_s:g}] (0 = default {default_timeout:g}); got {timeout_s!r}")
+        memory = memory_mb or o.memory_mb
+        if not 16 <= memory <= o.max_memory_mb:
+            raise ValueError(f"memory_mb must be in [16, {o.max_memory_mb}] (0 = default {o.memory_mb}); got {memory_mb!r}")
+        return timeout, memory
+
+    def _exec_args(self, req) -> tuple[list[bytes], float, int, str]:
+        code, stdin = req.code.encode("utf-8", "surrogateescape"), req.stdin.encode("utf-8", "surrogateescape")
+        if len(code) > self.options.max_code_bytes:
+            raise ValueError(f"code is {len(code)} bytes; the limit is {self.options.max_code_bytes}")
+        if len(stdin) > self.options.max_stdin_bytes:
+            raise ValueError(f"stdin is {len(stdin)} bytes; the limit is {self.options.max_stdin_bytes}")
+        timeout, memory = self._limits(req.timeout_s, req.memory_mb, self.options.timeout_s)
+        flavour = "sci" if _SCI_NAMES.search(req.code) else "lean"
+        return [code, stdin], timeout, memory, flavour
+
+    def _to_result(self, request_id: str, header: dict, blobs: list[bytes], worker: str = "") -> pb2.ExecuteResult:
+        code = header["status"]
+        self.pool.counters[code] = self.pool.counters.get(code, 0) + 1
+        return pb2.ExecuteResult(
+            request_id=request_id, status=code, exit_code=int(header["exit_code"]), stdout=blobs[0], stderr=blobs[1],
+            stdout_truncated=bool(header["stdout_truncated"]), stderr_truncated=bool(header["stderr_truncated"]),
+            duration_s=float(header["duration_s"]), cpu_s=float(header["cpu_s"]), message=header.get("message", ""),
+            retryable=code == status.SANDBOX_ERROR, worker=worker)
+
+    @staticmethod
+    def _rejected(request_id: str, message: str, *, retryable: bool) -> pb2.ExecuteResult:
+        return pb2.ExecuteResult(request_id=request_id, status=status.REJECTED, exit_code=-1, message=message,
+                                 retryable=retryable)
+
+    def _full_message(self) -> str:
+        return (f"sandbox queue full: {self.pool.in_flight} calls admitted, limit "
+                f"{self.pool.capacity + self.options.max_queue}; retry later")
+
+    async def _execute_admitted(self, req) -> pb2.ExecuteResult:
+        blobs, timeout, memory, flavour = self._exec_args(req)
+        header, out = await self.pool.run("exec", flavour, blobs, timeout, memory)
+        return self._to_result(req.request_id, header, out)
+
+    # -- RPCs ----------------------------------------------------------------------------------------
+    async def Execute(self, request, context):
+        try:
+            self._exec_args(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not self.pool.try_admit():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._full_message())
+        # try_admit counted this call; Pool.run releases it
+        return await self._execute_admitted(request)
+
+    async def ExecuteBatch(self, request, context):
+        tasks = []
+        for req in request.requests:
+            try:
+                self._exec_args(req)
+            except ValueError as e:
+                yield self._rejected(req.request_id, f"invalid request: {e}", retryable=False)
+                continue
+            if not self.pool.try_admit():
+                yield self._rejected(req.request_id, self._full_message(), retryable=True)
+                continue
+            tasks.append(asyncio.ensure_future(self._execute_admitted(req)))
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                yield await next_done
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def Verify(self, request, context):
+        o = self.options
+        text, gold = request.response_text.encode("utf-8", "surrogateescape"), request.gold_answer.encode("utf-8", "surrogateescape")
+        if len(text) + len(gold) > o.max_code_bytes:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"response_text + gold_answer is {len(text) + len(gold)} bytes; the limit is {o.max_code_bytes}")
+        try:
+            timeout, memory = self._limits(request.timeout_s, 0, o.verify_timeout_s)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        if not self.pool.try_admit():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._full_message())
+        self.pool.counters["verify_calls"] += 1
+        header, blobs = await self.pool.run("verify", "sci", [text, gold], timeout, memory)
+        verdict = header.get("verify")
+        code = header["status"]
+        message = header.get("message", "") or (blobs[1].decode(errors="replace")[-2000:] if code != status.OK else "")
+        if code == status.OK and verdict is None:
+            code, message = status.RUNTIME_ERROR, "the verifier produced no verdict"
+        extracted = verdict.get("extracted") if verdict else None
+        return pb2.VerifyResult(request_id=request.request_id, correct=bool(verdict and verdict["correct"]), status=code,
+                                has_extracted=extracted is not None, extracted=extracted or "",
+                                duration_s=float(header["duration_s"]), message=message)
+
+    async def Health(self, request, context):
+        alive = sum(w.alive for w in self.pool.all_workers())
+        return pb2.HealthReply(serving=alive > 0, isolation_level=self.pool.isolation_summary()["level"], workers_alive=alive)
+
+    async def Info(self, request, context):
+        summary = self.pool.isolation_summary()
+        workers = self.pool.all_workers()
+        return pb2.InfoReply(
+            isolation_level=summary["level"], isolation_features=summary["features"], isolation_warnings=summary["warnings"],
+            workers=len(workers), workers_alive=sum(w.alive for w in workers), slots_per_worker=self.options.slots,
+            capacity=self.pool.capacity, queue_depth=self.pool.queue_depth(), in_flight=self.pool.in_flight,
+            max_queue=self.options.max_queue, counters=self.pool.counters, default_timeout_s=self.options.timeout_s,
+            default_memory_mb=self.options.memory_mb, output_limit_bytes=self.options.output_limit_bytes, version=VERSION,
+            uptime_s=time.monotonic() - self.started)
+
+
+GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
+
+async def serve(options: ServerOptions, *, port_file: str | None = None, parent_pid: int | None = None,
+                stop_event: asyncio.Event | None = None) -> None:
+    """Starts the workers, then the gRPC server; runs until `stop_event` is set or the parent dies."""
+    options.validate()
+    pool = Pool(options)
+    await pool.start()
+    summary = pool.isolation_summary()
+    if summary["level"] == "full":
+        log.info("isolation level: full (%s)", ", ".join(k for k, v in summary["features"].items() if v))
+    else:
+        log.warning("!!! DEGRADED ISOLATION: level %r; missing: %s; %s !!!", summary["level"],
+                    ", ".join(k for k, v in summary["features"].items() if not v) or "-", "; ".join(summary["warnings"]))
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    pb2_grpc.add_SandboxServicer_to_server(SandboxServicer(pool), server)
+    port = server.add_insecure_port(f"{options.host}:{options.port}")
+    if port == 0:
+        await pool.stop()
+        raise RuntimeError(f"could not bind {options.host}:{options.port}")
+    await server.start()
+    log.info("sandbox serving on %s:%d: %d workers x %d slots per flavour (lean, sci), capacity %d, queue %d",
+             options.host, port, options.workers, options.slots, pool.capacity, options.max_queue)
+    if port_file:
+        tmp = f"{port_file}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            f.write(str(port))
+        os.replace(tmp, port_file)
+    stop_event = stop_event or asyncio.Event()
+    watcher = asyncio.create_task(_watch_parent(parent_pid, stop_event)) if parent_pid else None
+    try:
+        await stop_event.wait()
+    finally:
+        if watcher:
+            watcher.cancel()
+        await server.stop(grace=0.5)
+        await pool.stop()
+        log.info("sandbox stopped")
+
+
+async def _watch_parent(pid: int, stop_event: asyncio.Event) -> None:
+    while True:
+        await asyncio.sleep(0.5)
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            log.warning("parent process %d is gone; stopping", pid)
+            stop_event.set()
+            return
+        except PermissionError:
+            pass

@@ -1,0 +1,586 @@
+"""Worker (zygote) process: `python -m sandbox_service.workers --fd N ...`, started with exec by the server.
+
+Start-up: pre-import the flavour's modules, enter new pid/net/mount/ipc/uts namespaces, fork once so
+that the zygote is PID 1 of the pid namespace (the outer process only waits), mount a private /proc
+and a read-only view of the host, create the slots' cgroups, and report the isolation in force.
+
+Per call, in a free slot: fork; the child joins the slot's cgroups, gets private tmpfs /tmp (its
+working directory) and /dev/shm, a clean environment, rlimits (soft = hard), the slot's uid and a
+seccomp filter, then runs the harness. The zygote drains stdout/stderr as they arrive (byte caps),
+tracks the wall deadline on the process itself (SIGCHLD, not pipe EOF), kills the slot's whole
+cgroup at the deadline, on overflow and after the main process exits, reaps orphans (it is PID 1),
+and only then frees the slot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import fcntl
+import gc
+import importlib
+import json
+import logging
+import math
+import os
+import selectors
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+
+from sandbox_service import harness, isolation, status
+from sandbox_service.framing import FrameBuffer, encode
+
+log = logging.getLogger("sandbox_service.worker")
+
+LEAN_MODULES = ("math", "cmath", "itertools", "functools", "fractions", "decimal", "collections", "heapq",
+                "bisect", "re", "string", "random", "statistics", "operator", "json", "datetime", "copy",
+                "typing", "dataclasses", "array", "struct", "textwrap", "time", "numbers")
+SCI_MODULES = LEAN_MODULES + ("numpy", "sympy", "mpmath", "scipy", "scipy.special", "networkx",
+                              "math_verify", "sandbox_service.verify")
+FLAVOURS = {"lean": LEAN_MODULES, "sci": SCI_MODULES}
+
+CHILD_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/tmp",
+    "TMPDIR": "/tmp",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "PYTHONIOENCODING": "utf-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "NUMEXPR_NUM_THREADS": "1",
+    "MALLOC_ARENA_MAX": "2",
+}
+GRACE_AFTER_EXIT_S = 0.1  # output still arriving from the main process after it exited
+STREAM_CLOSE_AFTER_KILL_S = 1.0  # then stop waiting for EOF from a pipe holder that survived the kill
+SETUP_FAILED_TAG = b"S"
+TRUNCATION_MARKER = "\n[... output truncated: exceeded {} bytes]\n"
+_F_SETPIPE_SZ = 1031
+_READ_CHUNK = 1 << 16
+
+
+@dataclasses.dataclass
+class Slot:
+    index: int
+    uid: int
+    gid: int
+    cgroups: isolation.SlotCgroups | None
+    busy: bool = False
+
+
+@dataclasses.dataclass
+class Call:
+    id: int
+    kind: str  # "exec" | "verify"
+    payload: list[bytes]
+    timeout_s: float
+    memory_mb: int
+    slot: Slot | None = None
+    pid: int = 0
+    start: float = 0.0
+    deadline: float = 0.0
+    exited_at: float | None = None
+    wait_status: int | None = None
+    cpu_s: float = 0.0
+    killed_for: str | None = None
+    grace_killed_at: float | None = None
+    oom_before: int = 0
+    scratch_dir: str | None = None
+    streams: dict = dataclasses.field(default_factory=dict)  # name -> [fd, bytearray, truncated, cap]
+
+
+class Zygote:
+    def __init__(self, args, report: isolation.IsolationReport, *, mount_ns: bool):
+        self.args = args
+        self.report = report
+        self.mount_ns = mount_ns
+        self.ctrl = socket.socket(fileno=args.fd)
+        self.ctrl.setblocking(True)
+        self.frames = FrameBuffer()
+        self.sel = selectors.DefaultSelector()
+        self.calls: dict[int, Call] = {}
+        self.by_pid: dict[int, Call] = {}
+        self.pending: collections.deque[Call] = collections.deque()
+        self.slots: list[Slot] = []
+        self.seccomp = None
+        self.per_slot_uid = False
+        self.scratch_root: str | None = None
+        self.address_space_base = 0
+
+    # -- setup ---------------------------------------------------------------------------------------
+    def setup(self) -> None:
+        a, rep = self.args, self.report
+        is_root = os.geteuid() == 0 and not rep.features["user_namespace"]
+        self.per_slot_uid = is_root and a.isolation != "minimal"
+        rep.set("per_slot_uid", self.per_slot_uid,
+                "not root: every call runs as the service's own uid" if a.isolation != "minimal" else "disabled")
+        for i in range(a.slots):
+            uid = a.uid_base + a.index * a.slots + i if self.per_slot_uid else os.geteuid()
+            cg = None
+            if is_root and a.isolation != "minimal":
+                cg = isolation.SlotCgroups(a.instance, f"{a.flavour}{a.index}-{i}")
+                try:
+                    cg.create(rep, pids_max=a.pids_max)
+                except OSError as e:
+                    rep.warnings.append(f"cgroups for slot {i}: {e}")
+                    cg = None
+            self.slots.append(Slot(i, uid, uid, cg))
+        cg = self.slots[0].cgroups
+        rep.set("cgroup_memory", bool(cg and cg.memory_dir), "memory limited by RLIMIT_AS only")
+        rep.set("cgroup_pids", bool(cg and cg.pids_dir), "process count limited by RLIMIT_NPROC only")
+        rep.set("cgroup_kill", bool(cg and cg.kill_dir), "teardown by process group and uid scan")
+        rep.set("private_scratch", self.mount_ns, "scratch is a directory on the host's temp filesystem")
+        if not self.mount_ns:
+            self.scratch_root = tempfile.mkdtemp(prefix=f"sandbox-{a.instance}-{a.flavour}{a.index}-")
+            os.chmod(self.scratch_root, 0o711)
+        if a.isolation != "minimal":
+            self.seccomp = isolation.seccomp_program()
+            problem = isolation.probe_seccomp(self.seccomp)
+            if problem:
+                self.seccomp = None
+            rep.set("seccomp", problem is None, problem)
+        else:
+            rep.set("seccomp", False, "disabled")
+        rep.set("rlimits", True)
+        self.address_space_base = _vm_size()
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGTERM, lambda *_: self._shutdown(0))
+        self.wake_r, self.wake_w = os.pipe()
+        for fd in (self.wake_r, self.wake_w):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
+        self.sel.register(self.ctrl, selectors.EVENT_READ, ("ctrl", None))
+        self.sel.register(self.wake_r, selectors.EVENT_READ, ("wake", None))
+        gc.collect()
+        gc.freeze()  # keep the pre-imported heap shared with the forked calls (no gc writes to it)
+
+    def _send(self, header: dict, blobs=()) -> None:
+        self.ctrl.sendall(encode(header, blobs))
+
+    # -- main loop -----------------------------------------------------------------------------------
+    def serve(self) -> None:
+        self._send({"type": "ready", "pid": os.getpid(), "flavour": self.args.flavour, "slots": self.args.slots,
+                    "isolation": self.report.to_dict()})
+        while True:
+            for key, _ in self.sel.select(self._next_timeout()):
+                kind, call = key.data
+                if kind == "ctrl":
+                    self._on_ctrl()
+                elif kind == "wake":
+                    try:
+                        while os.read(self.wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                else:
+                    self._on_stream(call, kind)
+            self._reap()
+            self._check_timers()
+
+    def _next_timeout(self) -> float | None:
+        now, nearest = time.monotonic(), None
+        for call in self.calls.values():
+            if call.pid == 0:
+                continue
+            if call.exited_at is None:
+                if call.killed_for is not None:
+                    continue  # SIGKILL sent: SIGCHLD will wake us
+                t = call.deadline
+            elif call.grace_killed_at is None:
+                t = call.exited_at + GRACE_AFTER_EXIT_S
+            else:
+                t = call.grace_killed_at + STREAM_CLOSE_AFTER_KILL_S
+            nearest = t if nearest is None else min(nearest, t)
+        return None if nearest is None else max(0.0, nearest - now)
+
+    def _on_ctrl(self) -> None:
+        data = self.ctrl.recv(1 << 20)
+        if not data:  # the server is gone
+            self._shutdown(0)
+        for header, blobs in self.frames.feed(data):
+            if header.get("type") != "call":
+                log.error("unknown frame type %r", header.get("type"))
+                continue
+            call = Call(id=header["id"], kind=header["kind"], payload=blobs, timeout_s=float(header["timeout_s"]),
+                        memory_mb=int(header["memory_mb"]))
+            self.calls[call.id] = call
+            self.pending.append(call)
+        self._start_pending()
+
+    def _start_pending(self) -> None:
+        while self.pending:
+            slot = next((s for s in self.slots if not s.busy), None)
+            if slot is None:
+                return
+            call = self.pending.popleft()
+            try:
+                self._start(call, slot)
+            except Exception as e:  # noqa: BLE001 - one failed start must not take the worker down
+                log.exception("starting call %s failed", call.id)
+                self._reply_error(call, f"worker could not start the call: {e}")
+
+    # -- starting a call -----------------------------------------------------------------------------
+    def _limits(self, call: Call) -> isolation.CallLimits:
+        a = self.args
+        memory = call.memory_mb << 20
+        has_cgroup = bool(call.slot.cgroups and call.slot.cgroups.memory_dir)
+        backstop = self.address_space_base + (4 * memory if has_cgroup else memory)
+        return isolation.CallLimits(
+            cpu_s=int(math.ceil(call.timeout_s)) + 1, memory_bytes=memory, address_space_bytes=backstop,
+            file_size_bytes=a.scratch_mb << 20, open_files=a.open_files, processes=a.pids_max,
+            scratch_bytes=a.scratch_mb << 20)
+
+    def _start(self, call: Call, slot: Slot) -> None:
+        call.slot, slot.busy = slot, True
+        limits = self._limits(call)
+        if slot.cgroups:
+            slot.cgroups.set_memory_limit(limits.memory_bytes)
+            call.oom_before = slot.cgroups.oom_kills()
+        stdin = call.payload[1] if call.kind == "exec" else b""
+        in_r, in_w = os.pipe()
+        if len(stdin) > 65536:
+            fcntl.fcntl(in_w, _F_SETPIPE_SZ, len(stdin))
+        if stdin:
+            os.write(in_w, stdin)
+        os.close(in_w)
+        pipes = {name: os.pipe() for name in ("stdout", "stderr", "meta")}
+        if not self.mount_ns:
+            call.scratch_dir = tempfile.mkdtemp(dir=self.scratch_root)
+            os.chown(call.scratch_dir, slot.uid, slot.gid)
+        call.start = time.monotonic()
+        call.deadline = call.start + call.timeout_s
+        pid = os.fork()
+        if pid == 0:
+            self._child(call, slot, limits, in_r, {k: v[1] for k, v in pipes.items()})
+        os.close(in_r)
+        call.pid = pid
+        self.by_pid[pid] = call
+        caps = {"stdout": self.args.output_limit, "stderr": self.args.output_limit, "meta": 1 << 20}
+        for name, (r, w) in pipes.items():
+            os.close(w)
+            os.set_blocking(r, False)
+            call.streams[name] = [r, bytearray(), False, caps[name]]
+            self.sel.register(r, selectors.EVENT_READ, (name, call))
+
+    def _child(self, call: Call, slot: Slot, limits: isolation.CallLimits, stdin_fd: int, w: dict) -> None:
+        """In the forked child: isolate, then run the harness. Never returns."""
+        try:
+            signal.set_wakeup_fd(-1)
+            for sig in (signal.SIGCHLD, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+            os.setsid()
+            if slot.cgroups:
+                slot.cgroups.attach_self()
+            os.dup2(stdin_fd, 0)
+            os.dup2(w["stdout"], 1)
+            os.dup2(w["stderr"], 2)
+            os.dup2(w["meta"], 3)
+            os.closerange(4, 1 << 16)
+            if self.mount_ns:
+                isolation.mount_call_scratch(limits, slot.uid, slot.gid)
+                os.chdir("/tmp")
+                env = dict(CHILD_ENV)
+            else:
+                os.chdir(call.scratch_dir)
+                env = dict(CHILD_ENV, HOME=call.scratch_dir, TMPDIR=call.scratch_dir)
+            os.environ.clear()
+            os.environ.update(env)
+            isolation.apply_rlimits(limits, per_uid=self.per_slot_uid)
+            if self.per_slot_uid:
+                isolation.drop_privileges(slot.uid, slot.gid)
+            isolation.set_parent_death_signal(signal.SIGKILL)
+            if self.seccomp:
+                isolation.load_seccomp(self.seccomp)
+        except BaseException as e:  # noqa: BLE001 - any setup failure is the service's, not the user's
+            try:
+                os.write(3, SETUP_FAILED_TAG)
+                os.write(2, f"sandbox setup failed: {e!r}\n".encode())
+            finally:
+                os._exit(125)
+        if call.kind == "exec":
+            harness.run_program(call.payload[0].decode("utf-8", errors="replace"), 3)
+        else:
+            harness.run_verify(call.payload[0].decode("utf-8", errors="replace"),
+                               call.payload[1].decode("utf-8", errors="replace"), 3)
+        os._exit(1)  # unreachable: the harness exits
+
+    # -- running calls -------------------------------------------------------------------------------
+    def _on_stream(self, call: Call, name: str) -> None:
+        stream = call.streams[name]
+        try:
+            data = os.read(stream[0], _READ_CHUNK)
+        except BlockingIOError:
+            return
+        if not data:
+            self.sel.unregister(stream[0])
+            os.close(stream[0])
+            stream[0] = -1
+            self._maybe_finish(call)
+            return
+        room = stream[3] - len(stream[1])
+        if len(data) > room:
+            stream[1] += data[:max(room, 0)]
+            stream[2] = True
+            if name != "meta" and call.killed_for is None:
+                self._kill(call, status.OUTPUT_LIMIT)
+        else:
+            stream[1] += data
+
+    def _kill(self, call: Call, reason: str | None) -> None:
+        if reason and call.killed_for is None:
+            call.killed_for = reason
+        self._kill_slot(call)
+
+    def _kill_slot(self, call: Call) -> None:
+        slot = call.slot
+        if slot.cgroups:
+            slot.cgroups.kill_all()
+        for target in (lambda: os.killpg(call.pid, signal.SIGKILL), lambda: os.kill(call.pid, signal.SIGKILL)):
+            try:
+                if call.exited_at is None:
+                    target()
+            except (ProcessLookupError, PermissionError):
+                pass
+        if not slot.cgroups and self.per_slot_uid:
+            for pid in _pids_of_uid(slot.uid):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    def _reap(self) -> None:
+        """Collects exited main processes (with their rusage) and orphans re-parented to us."""
+        while True:
+            try:
+                pid, wstatus, rusage = os.wait4(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            call = self.by_pid.pop(pid, None)
+            if call is not None:
+                call.exited_at = time.monotonic()
+                call.wait_status = wstatus
+                call.cpu_s = rusage.ru_utime + rusage.ru_stime
+                self._maybe_finish(call)
+
+    def _check_timers(self) -> None:
+        now = time.monotonic()
+        for call in list(self.calls.values()):
+            if call.pid == 0:
+                continue
+            if call.exited_at is None and now >= call.deadline and call.killed_for is None:
+                self._kill(call, status.TIMEOUT)
+            elif call.exited_at is not None and call.grace_killed_at is None \
+                    and now >= call.exited_at + GRACE_AFTER_EXIT_S:
+                call.grace_killed_at = now
+                self._kill_slot(call)  # whoever still holds the pipes (detached grandchildren) goes
+            elif call.grace_killed_at is not None and now >= call.grace_killed_at + STREAM_CLOSE_AFTER_KILL_S:
+                for stream in call.streams.values():  # a holder we could not kill: stop reading
+                    if stream[0] != -1:
+                        self.sel.unregister(stream[0])
+                        os.close(stream[0])
+                        stream[0] = -1
+                self._maybe_finish(call)
+
+    def _maybe_finish(self, call: Call) -> None:
+        if call.exited_at is None or any(s[0] != -1 for s in call.streams.values()) or call.id not in self.calls:
+            return
+        self._empty_slot(call)
+        header, blobs = self._result(call)
+        del self.calls[call.id]
+        call.slot.busy = False
+        if call.scratch_dir:
+            shutil.rmtree(call.scratch_dir, ignore_errors=True)
+        self._send(header, blobs)
+        self._start_pending()
+
+    def _empty_slot(self, call: Call) -> None:
+        """Kills and reaps whatever the call left behind; the slot is reused only when empty."""
+        slot = call.slot
+        for attempt in range(2000):
+            left = slot.cgroups.pids() if slot.cgroups else (_pids_of_uid(slot.uid) if self.per_slot_uid else [])
+            if not left:
+                return
+            self._kill_slot(call)
+            self._reap()
+            time.sleep(0.001 if attempt < 100 else 0.01)
+        log.error("slot %s still has processes %s after the kill", slot.index, left)
+
+    def _result(self, call: Call) -> tuple[dict, list[bytes]]:
+        out, err, meta = (call.streams[k] for k in ("stdout", "stderr", "meta"))
+        stdout, stderr = bytes(out[1]), bytes(err[1])
+        if out[2]:
+            stdout += TRUNCATION_MARKER.format(self.args.output_limit).encode()
+        if err[2]:
+            stderr += TRUNCATION_MARKER.format(self.args.output_limit).encode()
+        ws = call.wait_status
+        exit_code = os.waitstatus_to_exitcode(ws)
+        sig = -exit_code if exit_code < 0 else 0
+        oom = bool(call.slot.cgroups and call.slot.cgroups.oom_kills() > call.oom_before)
+        message = ""
+        if meta[1].startswith(harness.MEMORY_ERROR_TAG) and call.kind == "exec":
+            oom = True
+        if meta[1] == SETUP_FAILED_TAG:
+            code, message = status.SANDBOX_ERROR, stderr.decode(errors="replace").strip()
+        elif call.killed_for == status.TIMEOUT:
+            code = status.TIMEOUT
+            stderr += f"\n[killed: wall-clock limit of {call.timeout_s:g} s exceeded]\n".encode()
+        elif call.killed_for == status.OUTPUT_LIMIT:
+            code = status.OUTPUT_LIMIT
+        elif oom:
+            code = status.MEMORY_LIMIT
+            if sig:
+                stderr += f"\n[killed: memory limit of {call.memory_mb} MB exceeded]\n".encode()
+        elif sig in (signal.SIGXCPU,) or (sig == signal.SIGKILL and call.cpu_s >= math.ceil(call.timeout_s) + 1):
+            code = status.TIMEOUT
+            stderr += f"\n[killed: CPU-time limit of {math.ceil(call.timeout_s) + 1} s exceeded]\n".encode()
+        elif sig:
+            code = status.KILLED_BY_SIGNAL
+            stderr += f"\n[killed by signal {signal.Signals(sig).name}]\n".encode()
+        else:
+            code = status.OK if exit_code == 0 else status.RUNTIME_ERROR
+        header = {"type": "result", "id": call.id, "status": code, "exit_code": exit_code,
+                  "duration_s": (call.exited_at or time.monotonic()) - call.start, "cpu_s": call.cpu_s,
+                  "stdout_truncated": out[2], "stderr_truncated": err[2], "message": message}
+        if call.kind == "verify":
+            header["verify"] = _parse_verify(meta[1]) if code == status.OK else None
+        return header, [stdout, stderr]
+
+    def _reply_error(self, call: Call, message: str) -> None:
+        self.calls.pop(call.id, None)
+        if call.slot:
+            call.slot.busy = False
+        self._send({"type": "result", "id": call.id, "status": status.SANDBOX_ERROR, "exit_code": -1,
+                    "duration_s": 0.0, "cpu_s": 0.0, "stdout_truncated": False, "stderr_truncated": False,
+                    "message": message}, [b"", b""])
+
+    def _shutdown(self, code: int) -> None:
+        for call in list(self.calls.values()):
+            if call.pid:
+                self._kill_slot(call)
+        for slot in self.slots:
+            if slot.cgroups:
+                slot.cgroups.kill_all()
+        self._reap()
+        for slot in self.slots:
+            if slot.cgroups:
+                for _ in range(200):
+                    if not slot.cgroups.pids():
+                        break
+                    self._reap()
+                    time.sleep(0.005)
+                slot.cgroups.remove()
+        if self.scratch_root:
+            shutil.rmtree(self.scratch_root, ignore_errors=True)
+        os._exit(code)
+
+
+def _parse_verify(meta: bytes) -> dict | None:
+    try:
+        value = json.loads(meta)
+        return {"correct": bool(value["correct"]), "extracted": value["extracted"]}
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _vm_size() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _pids_of_uid(uid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.stat(f"/proc/{entry}").st_uid == uid:
+                pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def _preload(flavour: str) -> list[str]:
+    missing = []
+    for name in FLAVOURS[flavour]:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if flavour == "sci" and "math_verify" not in missing:
+        from sandbox_service.verify import is_equivalent
+
+        is_equivalent("\\frac{1}{2}", "x")  # pulls in math-verify's lazily imported parsers
+    return missing
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="sandbox worker (started by the sandbox server)")
+    p.add_argument("--fd", type=int, required=True, help="control socket inherited from the server")
+    p.add_argument("--index", type=int, default=0)
+    p.add_argument("--flavour", choices=sorted(FLAVOURS), default="lean")
+    p.add_argument("--slots", type=int, default=4)
+    p.add_argument("--instance", default=f"w{os.getpid()}")
+    p.add_argument("--isolation", choices=("auto", "minimal"), default="auto")
+    p.add_argument("--uid-base", type=int, default=1_500_000)
+    p.add_argument("--pids-max", type=int, default=64)
+    p.add_argument("--open-files", type=int, default=256)
+    p.add_argument("--scratch-mb", type=int, default=64)
+    p.add_argument("--output-limit", type=int, default=64 << 10)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker {args.flavour}{args.index} %(levelname)s %(message)s")
+    for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
+        os.environ[k] = "1"  # before numpy is imported: no BLAS thread pools at fork time
+    missing = _preload(args.flavour)
+    report = isolation.IsolationReport()
+    if missing:
+        report.warnings.append(f"modules not available for pre-import: {', '.join(missing)}")
+    new_pid_ns = False
+    if args.isolation == "auto":
+        new_pid_ns = isolation.enter_namespaces(report)
+    else:
+        report.warnings.append("isolation disabled by --isolation minimal")
+    if new_pid_ns:
+        pid = os.fork()  # the child is PID 1 of the new pid namespace
+        if pid:
+            os.close(args.fd)
+            signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGKILL))
+            while True:
+                try:
+                    _, st = os.waitpid(pid, 0)
+                    break
+                except InterruptedError:
+                    continue
+            os._exit(max(os.waitstatus_to_exitcode(st), 0))
+        isolation.set_parent_death_signal(signal.SIGKILL)
+    mount_ns = report.features["mount_namespace"]
+    if mount_ns:
+        keep = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
+        keep += [p for p in sys.path if p and os.path.isdir(p)]
+        isolation.prepare_worker_mounts(report, keep_paths=keep, new_proc=new_pid_ns)
+    else:
+        report.set("readonly_host", False, "no mount namespace")
+        report.set("hidden_proc", False, "no mount namespace")
+    zygote = Zygote(args, report, mount_ns=mount_ns)
+    zygote.setup()
+    zygote.serve()
+
+
+if __name__ == "__main__":
+    main()
