@@ -91,6 +91,10 @@ def score(response_text: str, gold_answer: str, *, truncated: bool = False) -> f
 # -- hard-timeout verification in worker processes ------------------------------------------------
 
 def _worker(conn, score_fn) -> None:
+    import logging
+
+    # math-verify warns on every call that its own timeouts are off; here the pool enforces one.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     while True:
         try:
             job = conn.recv()
