@@ -1,9 +1,9 @@
 """Binary answer reward: extract the final answer and verify it against the gold answer.
 
-Extraction (rStar2 spec §1.6): the last `\\boxed{}` (or `\\fbox{}`) inside the `<answer>` block;
-fallbacks: the last `\\boxed{}` anywhere, then an "answer is X" phrase. Verification: exact match
-after normalisation, else math-verify (its signal-based timeouts disabled, since it may run off the
-main thread). A truncated trajectory scores 0 (the paper gives truncated rollouts no reward).
+Extraction and equivalence are the sandbox's pure functions (`sandbox_service.verify`, rStar2 spec
+§1.6: the last `\\boxed{}` inside `<answer>`, with fallbacks; normalisation, then math-verify with its
+signal-based timeouts disabled), so the local pool and the Verify RPC grade identically. Added here:
+a truncated trajectory scores 0 (the paper gives truncated rollouts no reward).
 
 Verification of a model's answer can hang in sympy, so the rollout loop never runs it in the event
 loop: `VerifierPool` runs it in worker processes with a hard deadline, killing and replacing a
@@ -14,68 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-import re
 import threading
 from typing import Callable
 
-_ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
-_ANSWER_IS = re.compile(r"answer is[:\s]*\$?([^\n$]+?)\$?(?:[.\n]|$)", re.IGNORECASE)
+from sandbox_service.verify import extract_answer, is_equivalent, normalize
 
-
-def _last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...} / \\fbox{...}, braces balanced."""
-    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text)]
-    for start in reversed(starts):
-        depth, i = 1, start
-        while i < len(text) and depth:
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            i += 1
-        if depth == 0:
-            return text[start:i - 1].strip()
-    return None
-
-
-def extract_answer(text: str) -> str | None:
-    blocks = _ANSWER_BLOCK.findall(text)
-    if blocks:
-        boxed = _last_boxed(blocks[-1])
-        if boxed is not None:
-            return boxed
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return boxed
-    matches = _ANSWER_IS.findall(text)
-    if matches:
-        return matches[-1].strip()
-    if blocks and blocks[-1].strip():
-        return blocks[-1].strip()
-    return None
-
-
-def normalize(answer: str) -> str:
-    s = answer.strip().strip("$").strip()
-    s = re.sub(r"\\(?:text|mathrm|textbf)\{([^}]*)\}", r"\1", s)
-    s = s.replace("\\!", "").replace("\\,", "").replace("\\ ", "").replace(" ", "")
-    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("\\left", "").replace("\\right", "")
-    s = s.rstrip(".")
-    if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
-        s = s.replace(",", "")
-    if re.fullmatch(r"-?\d+\.0+", s):
-        s = s.split(".")[0]
-    return s
-
-
-def is_equivalent(prediction: str, gold: str) -> bool:
-    """Normalised string match, else math-verify (no internal timeouts: callers enforce one)."""
-    if normalize(prediction) == normalize(gold):
-        return True
-    from math_verify import parse, verify
-
-    gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=None)
-    pred_parsed = parse(f"\\boxed{{{prediction}}}", parsing_timeout=None)
-    if not gold_parsed or not pred_parsed:
-        return False
-    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None))
+__all__ = ["extract_answer", "is_equivalent", "normalize", "score", "VerifierPool", "SandboxScorer", "make_scorer"]
 
 
 def score(response_text: str, gold_answer: str, *, truncated: bool = False) -> float:
