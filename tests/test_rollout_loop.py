@@ -5,6 +5,7 @@ against the real sandbox and engine is exercised by the end-to-end tests.
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 
@@ -183,14 +184,14 @@ def test_orchestrator_64_concurrent_trajectories_and_cancellation():
 
     async def cancel_early():
         slow = Orchestrator(one, max_concurrency=4)
-        async for group in slow.groups(prompts, samples_per_prompt=4):
-            break  # leaving early cancels the rest
-        await asyncio.sleep(0.05)
+        async with contextlib.aclosing(slow.groups(prompts, samples_per_prompt=4)) as groups:
+            async for group in groups:
+                break  # leaving early cancels the rest; aclosing waits for them
         others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         return len(group), others, slow.peak_in_flight, slow.in_flight
 
     n, leftover, peak, in_flight = asyncio.run(cancel_early())
-    assert n == 4 and leftover == [] and peak == 4 and in_flight == 0
+    assert (n, leftover, peak, in_flight) == (4, [], 4, 0)
 
 
 def test_trajectory_stats_paper_beside_release_counting():

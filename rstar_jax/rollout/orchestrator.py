@@ -1,8 +1,10 @@
 """Launches G' trajectories per prompt with bounded concurrency and streams finished groups.
 
 Every trajectory is its own asyncio task (no per-turn barrier across the batch); a group is yielded
-as soon as its last trajectory finishes. Leaving the iteration early or cancelling the consumer
-cancels every outstanding trajectory and waits for it, so no task or sandbox call is leaked.
+as soon as its last trajectory finishes. Closing the iterator (`contextlib.aclosing`, or when the
+loop finalises it) or cancelling the consumer cancels every outstanding trajectory and waits for it,
+so no task or sandbox call is leaked. Leaving an `async for` early without `aclosing` defers that
+clean-up to the asyncio finaliser, so wrap the iteration when the caller goes on running.
 """
 
 from __future__ import annotations
