@@ -92,14 +92,20 @@ def main(argv) -> None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    if config.mode != "demo":
-        # The RL and SFT trainers and the evaluator are composed from pieces still being
-        # integrated; fail loudly instead of exiting as if a stage had run.
-        print(f"error: config.mode={config.mode!r} is not runnable by this version of the launcher "
-              "(available: 'demo')", file=sys.stderr)
+    if config.mode == "eval":
+        # Evaluation is composed from the same pieces but has no entry point in this version.
+        print("error: config.mode='eval' is not runnable by this version of the launcher "
+              "(available: 'demo', 'sft', 'rl')", file=sys.stderr)
         sys.exit(2)
     maybe_initialize_distributed()
-    run_demo(config)
+    if config.mode == "demo":
+        run_demo(config)
+    else:
+        from rstar_jax.train.run import run_stage
+
+        summary = run_stage(config)
+        print(f"[{config.mode}] done: {config.run_dir} " + " ".join(
+            f"{k}={v:.4g}" for k, v in summary.items() if isinstance(v, float) and k.startswith(("sft/loss", "rollout/reward_mean", "update/loss"))))
 
 
 if __name__ == "__main__":

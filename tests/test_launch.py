@@ -28,3 +28,22 @@ def test_invalid_override_is_rejected_before_work(tmp_path):
     assert result.returncode == 2 and "unknown model preset 'qwen3-99b'" in result.stderr
     result = _launch("--config.no_such_field=1", cwd=tmp_path)
     assert result.returncode != 0 and "no_such_field" in result.stderr
+
+
+def test_rl_mode_runs_two_steps_with_the_real_sandbox_and_engine(tmp_path):
+    """`--config.mode=rl` on the tiny config: a local sandbox server, the JaxEngine, two GRPO-RoC steps,
+    metrics and checkpoints (the SFT warm-up is left out to keep CI short)."""
+    import json
+
+    run = tmp_path / "rl"
+    result = _launch("--config.mode=rl", f"--config.run_dir={run}", "--config.sft.before_rl=False",
+                     "--config.train.steps=2", "--config.rollout.response_budget=32",
+                     "--config.checkpoint.every_steps=1", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "[rl] done" in result.stdout
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert "rollout/reward_mean" in r and "roc/groups_total" in r and r["roc/groups_total"] == 2
+        assert r["rollout/response_length_mean"] <= 32
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]

@@ -104,8 +104,12 @@ class RLTrainer:
         return metrics
 
     def step(self, prompts: list[tuple[str, str]]) -> tuple[dict, list[Trajectory]]:
+        return asyncio.run(self.astep(prompts))
+
+    async def astep(self, prompts: list[tuple[str, str]]) -> tuple[dict, list[Trajectory]]:
+        """One RL step inside a running event loop (clients bound to the loop stay usable)."""
         t0 = time.perf_counter()
-        trajectories = asyncio.run(self.rollout(prompts))
+        trajectories = await self.rollout(prompts)
         rollout_s = time.perf_counter() - t0
         metrics = self.update(trajectories)
         rewards = np.asarray([t.reward for t in trajectories])
