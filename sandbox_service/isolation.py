@@ -348,10 +348,14 @@ class SlotCgroups:
             if os.path.exists(f"{self.memory_dir}/memory.swap.max"):
                 _write(f"{self.memory_dir}/memory.swap.max", "0")
         else:
-            _write(f"{self.memory_dir}/memory.limit_in_bytes", str(limit_bytes))
-            memsw = f"{self.memory_dir}/memory.memsw.limit_in_bytes"
-            if os.path.exists(memsw):
-                _write(memsw, str(limit_bytes))
+            # v1 requires memory.limit_in_bytes <= memory.memsw.limit_in_bytes at every step.
+            files = [f"{self.memory_dir}/memory.limit_in_bytes"]
+            if os.path.exists(f"{self.memory_dir}/memory.memsw.limit_in_bytes"):
+                files.append(f"{self.memory_dir}/memory.memsw.limit_in_bytes")
+            if limit_bytes > int(_read(files[0])):
+                files.reverse()
+            for path in files:
+                _write(path, str(limit_bytes))
         self._memory_limit = limit_bytes
 
     def oom_kills(self) -> int:
