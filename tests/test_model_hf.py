@@ -160,5 +160,8 @@ def test_config_field_validation():
         Qwen3Config.tiny(remat_policy="sometimes")
     with pytest.raises(ValueError, match="Qwen3Config.attention_impl"):
         Qwen3Config.tiny(attention_impl="flash")
+    with pytest.raises(ValueError, match="Qwen3Config.attention_impl='cudnn' needs dtype"):
+        Qwen3Config.tiny(attention_impl="cudnn", dtype="float32")
+    assert Qwen3Config.tiny(attention_impl="cudnn", dtype="bfloat16").attention_impl == "cudnn"
     with pytest.raises(ValueError, match="unknown model preset"):
         Qwen3Config.preset("qwen3-15b")

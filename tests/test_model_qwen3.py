@@ -8,7 +8,9 @@ from flax import nnx
 
 from rstar_jax.model.generate import greedy_generate
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config, sequence_positions
-from rstar_jax.parallel import DEFAULT_RULES, create_sharded_model, make_mesh, memory_plan, param_shardings
+from rstar_jax.parallel import (
+    DEFAULT_RULES, create_sharded_model, make_mesh, memory_plan, model_shardings, param_shardings,
+)
 
 CONFIG = Qwen3Config.tiny()
 
@@ -124,6 +126,7 @@ def test_sharded_forward_and_grads_equal_single_device(model, mesh_shape):
         assert array.sharding.mesh.shape == mesh.shape, name
         assert tuple(array.sharding.spec) == spec, (name, array.sharding.spec)
         assert tuple(param_shardings(sharded, mesh)[name].spec) == spec
+        assert model_shardings(sharded, mesh)[name] == array.sharding
     ids = _ids((4, 16), 6)
     with jax.default_matmul_precision("highest"):
         loss_1, grads_1 = _loss_and_grads(model, ids)
@@ -159,7 +162,13 @@ def test_memory_plan_14b_matches_hand_computation():
     # bf16 parameters and gradients halve those two, not the fp32 moments.
     bf16 = memory_plan(c, {"fsdp": 64}, param_dtype="bfloat16")
     assert bf16.param_bytes == 2 * per_device and bf16.opt_state_bytes == 8 * per_device
-    assert "qwen3" not in str(plan) or "GiB" in str(plan)
+    table = str(memory_plan(c, {"fsdp": 64}, preset="qwen3-14b"))
+    assert "qwen3-14b" in table and f"{(4 + 4 + 8) * per_device / 2**30:.3f}" in table
+    # A Mesh is accepted as well as a shape: 8 fake devices, 14B over fsdp=8 (5120 = 8 * 640).
+    per_device_8 = (total - norms) // 8 + norms
+    assert memory_plan(c, make_mesh(1, 8, 1)).param_bytes == 4 * per_device_8
+    with pytest.raises(ValueError, match="unknown mesh axes"):
+        memory_plan(c, {"model": 8})
 
 
 def test_every_preset_matches_published_shapes():
@@ -178,7 +187,7 @@ def test_every_preset_matches_published_shapes():
         assert round(c.num_params / 1e9, 3) == billions, name
 
 
-@pytest.mark.parametrize("policy", ["full", "dots"])
+@pytest.mark.parametrize("policy", ["full", "dots_with_no_batch_dims_saveable"])
 def test_remat_policies_give_identical_gradients(model, policy):
     ids = _ids((2, 8), 7)
     _, ref = _loss_and_grads(model, ids)

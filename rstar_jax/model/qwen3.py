@@ -24,12 +24,16 @@ from flax import nnx
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 # Remat policies for the scanned decoder layer. "none" keeps every activation; "full" saves only the
-# layer input (recomputes the whole layer in the backward pass); the others save matmul outputs.
+# layer input (recomputes the whole layer in the backward pass); "dots" / "dots_saveable" save every
+# matmul output; "dots_no_batch" / "dots_with_no_batch_dims_saveable" save only the weight matmuls
+# (no batch dimensions: projections and MLP, not attention scores), recomputing attention.
 REMAT_POLICIES = {
     "none": None,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 ATTENTION_IMPLS = ("xla", "cudnn")
 
@@ -83,6 +87,9 @@ class Qwen3Config:
             raise ValueError(f"Qwen3Config.remat_policy must be one of {sorted(REMAT_POLICIES)}, got {self.remat_policy!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"Qwen3Config.attention_impl must be one of {ATTENTION_IMPLS}, got {self.attention_impl!r}")
+        if self.attention_impl == "cudnn" and self.dtype == "float32":
+            # cuDNN fused attention runs in half precision only.
+            raise ValueError("Qwen3Config.attention_impl='cudnn' needs dtype 'bfloat16' or 'float16', got 'float32'")
 
     # -- presets: values of the Hugging Face config.json files of the Qwen3 releases ------------
     @classmethod

@@ -11,6 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from rstar_jax.model.qwen3 import Qwen3Config, abstract_model
 from rstar_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES, _rules_dict
@@ -61,7 +62,7 @@ def _shard_factor(shape, logical_axes, rules, mesh_shape) -> int:
 
 def memory_plan(
     config: Qwen3Config,
-    mesh_shape: dict[str, int],
+    mesh_shape: dict[str, int] | Mesh,
     *,
     rules=DEFAULT_RULES,
     param_dtype: str | None = None,
@@ -73,6 +74,11 @@ def memory_plan(
     """Bytes per device; shards are rounded up to whole elements (as XLA pads uneven shards)."""
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"memory_plan: optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
+    if isinstance(mesh_shape, Mesh):
+        mesh_shape = dict(mesh_shape.shape)
+    unknown = set(mesh_shape) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"memory_plan: unknown mesh axes {sorted(unknown)}; expected {MESH_AXES}")
     mesh_shape = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
     p_size = jnp.dtype(param_dtype or config.param_dtype).itemsize
     g_size = jnp.dtype(grad_dtype or param_dtype or config.param_dtype).itemsize

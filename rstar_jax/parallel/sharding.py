@@ -29,6 +29,11 @@ def param_shardings(state_or_model, mesh: Mesh, rules=DEFAULT_RULES) -> dict[str
     return out
 
 
+def model_shardings(state_or_model, mesh: Mesh, rules=DEFAULT_RULES) -> dict[str, jax.sharding.NamedSharding]:
+    """Alias of `param_shardings`: every parameter's NamedSharding by attribute name."""
+    return param_shardings(state_or_model, mesh, rules)
+
+
 def state_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES):
     """A pytree of shardings matching `state` (parameters sharded, everything else replicated)."""
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
