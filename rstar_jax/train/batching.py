@@ -29,9 +29,6 @@ class TrainingSequence:
     old_logprobs: Sequence[float] | None = None  # per response token (sampler's when not recomputed)
 
 
-
-
-
 def _sequence_arrays(seq: TrainingSequence) -> dict[str, np.ndarray]:
     prompt = np.asarray(seq.prompt_ids, np.int32)
     response = np.asarray(seq.response_ids, np.int32)

@@ -89,16 +89,22 @@ def accumulate_grads(model: nnx.Module, batch: dict, micro_loss):
 
     grad_fn = jax.grad(loss_of_params, has_aux=True)
 
+    # Sums are kept in float32 whatever the parameter dtype: many bf16 additions would lose the
+    # small per-micro-batch contributions.
+    to_f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
+
     def body(carry, mb):
         grads_acc, metrics_acc = carry
         grads, metrics = grad_fn(params, mb)
-        return (jax.tree.map(jnp.add, grads_acc, grads), combine_metrics(metrics_acc, metrics)), None
+        return (jax.tree.map(jnp.add, grads_acc, to_f32(grads)), combine_metrics(metrics_acc, metrics)), None
 
-    # The first micro-batch seeds the accumulators (their structure comes from the loss itself).
+    # The first micro-batch seeds the accumulators: their structure, and their sharding under a
+    # mesh, come from the backward pass itself.
     grads0, metrics0 = grad_fn(params, jax.tree.map(lambda x: x[0], batch))
-    (grads_sum, metrics), _ = jax.lax.scan(body, (grads0, metrics0), jax.tree.map(lambda x: x[1:], batch))
+    (grads_sum, metrics), _ = jax.lax.scan(body, (to_f32(grads0), metrics0), jax.tree.map(lambda x: x[1:], batch))
     total = jnp.maximum(metrics["token_count"], 1.0)
-    return metrics["loss_sum"] / total, jax.tree.map(lambda g: g / total, grads_sum), metrics
+    grads = jax.tree.map(lambda g, p: (g / total).astype(p.dtype), grads_sum, params)
+    return metrics["loss_sum"] / total, grads, metrics
 
 
 def loss_and_grads(model: nnx.Module, batch: dict, loss_config: LossConfig, chunk_size: int = 1024,
