@@ -20,7 +20,7 @@ from fractions import Fraction
 _ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _BOXED_START = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _BOXED_SPACE = re.compile(r"\\boxed +([^\s{}$]+)")
-_ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*(.+?)(?:\n|$)", re.IGNORECASE)
+_ANSWER_IS = re.compile(r"answer\s+is\s*:?\s*(.+?)\s*(?=</answer>|\n|$)", re.IGNORECASE)
 
 
 def last_boxed(text: str) -> str | None:
@@ -43,6 +43,14 @@ def last_boxed(text: str) -> str | None:
     return None if best is None else best.strip()
 
 
+def _strip_math_delimiters(s: str) -> str:
+    prev = None
+    while prev != s:
+        prev = s
+        s = s.strip().rstrip(".。").strip().strip("$").strip()
+    return s
+
+
 def extract_answer(text: str) -> str | None:
     """The response's final answer, or None when it gives none."""
     blocks = _ANSWER_BLOCK.findall(text)
@@ -53,14 +61,14 @@ def extract_answer(text: str) -> str | None:
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
-    phrases = _ANSWER_IS.findall(text)
-    if phrases:
-        answer = phrases[-1].strip().strip("$").strip()
-        answer = re.sub(r"[.。]\s*$", "", answer).strip().strip("$").strip()
-        if answer:
-            return answer
+    for scope in ([blocks[-1]] if blocks else []) + [text]:
+        phrases = _ANSWER_IS.findall(scope)
+        if phrases:
+            answer = _strip_math_delimiters(phrases[-1])
+            if answer:
+                return answer
     if blocks and blocks[-1].strip():
-        return blocks[-1].strip().strip("$").strip()
+        return _strip_math_delimiters(blocks[-1])
     return None
 
 
@@ -73,8 +81,7 @@ _SLASH_FRAC = re.compile(r"^([-+]?\d+)\s*/\s*([-+]?\d+)$")
 def normalize(answer: str) -> str:
     """Canonical text form: no math delimiters, spacing macros, text wrappers, thousands separators
     or trailing period; `\\dfrac`/`\\tfrac` as `\\frac`."""
-    s = answer.strip()
-    s = re.sub(r"^\$+|\$+$", "", s).strip()
+    s = _strip_math_delimiters(answer)
     s = re.sub(r"^\\\(|\\\)$", "", s).strip()
     s = re.sub(r"^\\\[|\\\]$", "", s).strip()
     s = _TEXT_WRAPPERS.sub(r"\1", s)
