@@ -304,22 +304,32 @@ class SlotCgroups:
         self.instance, self.name = instance, name
         self._memory_limit: int | None = None
         self._oom_file: str | None = None
+        self._v2_dir: str | None = None
+        self._pids_max = 0
+        self._forks_blocked = False
+        self._oom_seen = 0
 
     def create(self, report: IsolationReport, *, pids_max: int) -> None:
         rel = f"sandbox_service/{self.instance}/{self.name}"
+        self._pids_max = pids_max
         v2 = _v2_root()
         v2_controllers = _read(f"{v2}/cgroup.controllers").split() if v2 else []
-        if v2:
+        v1_pids = os.path.exists(f"{CGROUP_V1}/pids/cgroup.procs")
+        # Joining a cgroup costs a migration per call, so the v2 group is used only when it carries
+        # the controllers, or for `cgroup.kill` when no v1 pids group can stop forks during teardown.
+        use_v2 = v2 is not None and ("memory" in v2_controllers or "pids" in v2_controllers or not v1_pids)
+        if use_v2:
             try:
                 os.makedirs(f"{v2}/{rel}", exist_ok=True)
                 self.procs_files.append(f"{v2}/{rel}/cgroup.procs")
                 if os.path.exists(f"{v2}/{rel}/cgroup.kill"):
                     self.kill_dir = f"{v2}/{rel}"
+                self._v2_dir = f"{v2}/{rel}"
             except OSError as e:
                 report.warnings.append(f"cgroup v2 group not created: {e}")
-        if "memory" in v2_controllers and self.kill_dir and os.path.exists(f"{self.kill_dir}/memory.max"):
-            self.memory_dir, self.memory_v2 = self.kill_dir, True
-            self._oom_file = f"{self.kill_dir}/memory.events"
+        if "memory" in v2_controllers and self._v2_dir and os.path.exists(f"{self._v2_dir}/memory.max"):
+            self.memory_dir, self.memory_v2 = self._v2_dir, True
+            self._oom_file = f"{self._v2_dir}/memory.events"
         elif os.path.exists(f"{CGROUP_V1}/memory/cgroup.procs"):
             try:
                 os.makedirs(f"{CGROUP_V1}/memory/{rel}", exist_ok=True)
@@ -328,9 +338,9 @@ class SlotCgroups:
                 self._oom_file = f"{self.memory_dir}/memory.oom_control"
             except OSError as e:
                 report.warnings.append(f"cgroup v1 memory group not created: {e}")
-        if "pids" in v2_controllers and self.kill_dir and os.path.exists(f"{self.kill_dir}/pids.max"):
-            self.pids_dir, self.pids_v2 = self.kill_dir, True
-        elif os.path.exists(f"{CGROUP_V1}/pids/cgroup.procs"):
+        if "pids" in v2_controllers and self._v2_dir and os.path.exists(f"{self._v2_dir}/pids.max"):
+            self.pids_dir, self.pids_v2 = self._v2_dir, True
+        elif v1_pids:
             try:
                 os.makedirs(f"{CGROUP_V1}/pids/{rel}", exist_ok=True)
                 self.pids_dir = f"{CGROUP_V1}/pids/{rel}"
@@ -339,6 +349,12 @@ class SlotCgroups:
                 report.warnings.append(f"cgroup v1 pids group not created: {e}")
         if self.pids_dir:
             _write(f"{self.pids_dir}/pids.max", str(pids_max))
+        self._oom_seen = self.oom_kills()
+
+    @property
+    def can_kill_all(self) -> bool:
+        """True when teardown reaches every process of the call (setsid daemons included)."""
+        return bool(self.kill_dir or self.pids_dir)
 
     def set_memory_limit(self, limit_bytes: int) -> None:
         if self.memory_dir is None or limit_bytes == self._memory_limit:
@@ -373,9 +389,15 @@ class SlotCgroups:
         for path in self.procs_files:
             _write(path, pid)
 
+    def new_oom_kill(self) -> bool:
+        """Whether the memory controller killed a process since the last check."""
+        count = self.oom_kills()
+        seen, self._oom_seen = self._oom_seen, count
+        return count > seen
+
     def pids(self) -> list[int]:
-        """Processes still in the slot (the pids group if any, else the v2 group)."""
-        for directory in (self.pids_dir, self.kill_dir, self.memory_dir):
+        """Processes still in the slot."""
+        for directory in (self.pids_dir, self._v2_dir, self.memory_dir):
             if directory:
                 try:
                     return [int(x) for x in _read(f"{directory}/cgroup.procs").split()]
@@ -384,21 +406,31 @@ class SlotCgroups:
         return []
 
     def kill_all(self) -> None:
-        """Kills everything in the slot, `setsid` daemons included."""
+        """Kills everything in the slot, `setsid` daemons included: `cgroup.kill` on v2; on v1,
+        pids.max = 0 first so that nothing can fork while the listed processes are killed (call
+        `allow_forks` once the slot is empty)."""
         if self.kill_dir:
             try:
                 _write(f"{self.kill_dir}/cgroup.kill", "1")
                 return
             except OSError:
                 pass
-        for pid in self.pids():  # v1: no atomic kill; a few passes catch processes forked meanwhile
+        if self.pids_dir and not self._forks_blocked:
+            _write(f"{self.pids_dir}/pids.max", "0")
+            self._forks_blocked = True
+        for pid in self.pids():
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
+    def allow_forks(self) -> None:
+        if self._forks_blocked:
+            _write(f"{self.pids_dir}/pids.max", str(self._pids_max))
+            self._forks_blocked = False
+
     def remove(self) -> None:
-        for directory in {d for d in (self.memory_dir, self.pids_dir, self.kill_dir) if d}:
+        for directory in {d for d in (self.memory_dir, self.pids_dir, self._v2_dir) if d}:
             try:
                 os.rmdir(directory)
             except OSError:

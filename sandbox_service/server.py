@@ -184,13 +184,21 @@ class WorkerHandle:
         self.pending[call_id] = fut
         self.writer.write(encode({"type": "call", "id": call_id, "kind": job.kind, "timeout_s": job.timeout_s,
                                   "memory_mb": job.memory_mb}, job.blobs))
+        watchdog = asyncio.get_running_loop().call_later(job.timeout_s + HANG_SLACK_S, self._on_hang, call_id)
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout=job.timeout_s + HANG_SLACK_S)
-        except asyncio.TimeoutError:
+            return await fut
+        finally:
+            watchdog.cancel()
+
+    def _on_hang(self, call_id: int) -> None:
+        """A call overran its deadline by HANG_SLACK_S: the worker is stuck; kill it (its calls are
+        then failed over by `_on_lost`)."""
+        if call_id in self.pending and self.proc is not None and self.proc.returncode is None:
             log.error("worker %s did not answer call %d in time; killing it", self.name, call_id)
-            self.pending.pop(call_id, None)
-            await self._kill_process()
-            raise WorkerLost(f"worker {self.name} hung") from None
+            try:
+                self.proc.kill()
+            except ProcessLookupError:
+                pass
 
     async def _kill_process(self) -> None:
         if self.proc is not None and self.proc.returncode is None:
