@@ -157,6 +157,9 @@ class Zygote:
         signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
         self.sel.register(self.ctrl, selectors.EVENT_READ, ("ctrl", None))
         self.sel.register(self.wake_r, selectors.EVENT_READ, ("wake", None))
+        # The calls' clean environment is set once here and inherited (cheaper than per call).
+        os.environ.clear()
+        os.environ.update(CHILD_ENV)
         gc.collect()
         gc.freeze()  # keep the pre-imported heap shared with the forked calls (no gc writes to it)
 
@@ -284,12 +287,9 @@ class Zygote:
             if self.mount_ns:
                 isolation.mount_call_scratch(limits, slot.uid, slot.gid)
                 os.chdir("/tmp")
-                env = dict(CHILD_ENV)
             else:
                 os.chdir(call.scratch_dir)
-                env = dict(CHILD_ENV, HOME=call.scratch_dir, TMPDIR=call.scratch_dir)
-            os.environ.clear()
-            os.environ.update(env)
+                os.environ["HOME"] = os.environ["TMPDIR"] = call.scratch_dir
             isolation.apply_rlimits(limits, per_uid=self.per_slot_uid)
             if self.per_slot_uid:
                 isolation.drop_privileges(slot.uid, slot.gid)
