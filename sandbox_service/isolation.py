@@ -114,8 +114,7 @@ class IsolationReport:
     def level(self) -> str:
         if not all(self.features[f] for f in _ESSENTIAL):
             return "minimal"
-        # The user namespace is not needed as root: calls already run as unprivileged host uids.
-        optional = [f for f in FEATURES if f not in _ESSENTIAL and f != "user_namespace"]
+        optional = [f for f in FEATURES if f not in _ESSENTIAL]
         return "full" if all(self.features[f] for f in optional) else "partial"
 
     def to_dict(self) -> dict:
@@ -429,12 +428,37 @@ class SlotCgroups:
             _write(f"{self.pids_dir}/pids.max", str(self._pids_max))
             self._forks_blocked = False
 
+    def delegate(self, uid: int, gid: int) -> None:
+        """Hands the slot's groups to `uid` (the zygote's root inside its user namespace), so that it
+        can keep setting limits and killing without host root."""
+        for directory in {d for d in (self.memory_dir, self.pids_dir, self._v2_dir) if d}:
+            os.chown(directory, uid, gid)
+            for name in os.listdir(directory):
+                path = f"{directory}/{name}"
+                if os.path.isfile(path):
+                    os.chown(path, uid, gid)
+
     def remove(self) -> None:
         for directory in {d for d in (self.memory_dir, self.pids_dir, self._v2_dir) if d}:
             try:
                 os.rmdir(directory)
             except OSError:
                 pass
+
+
+def remove_stale_instances() -> None:
+    """Removes the (empty) groups of servers that died without cleaning up (`<pid>-<hex>` whose
+    pid no longer exists)."""
+    for root in [f"{CGROUP_V1}/memory", f"{CGROUP_V1}/pids", *CGROUP_V2_CANDIDATES]:
+        try:
+            entries = os.listdir(f"{root}/sandbox_service")
+        except OSError:
+            continue
+        for entry in entries:
+            pid, sep, _ = entry.partition("-")
+            if not (sep and pid.isdigit()) or os.path.exists(f"/proc/{pid}"):
+                continue
+            remove_instance_cgroups(entry)
 
 
 def remove_instance_cgroups(instance: str) -> None:
@@ -454,6 +478,23 @@ def remove_instance_cgroups(instance: str) -> None:
             os.rmdir(base)
         except OSError:
             pass
+
+
+def write_id_maps(process: int, ns_root: int, identity_ranges: list[tuple[int, int]]) -> None:
+    """uid/gid maps of a process's new user namespace: its root is host id `ns_root` (unprivileged),
+    and each (first, count) range of slot ids maps to itself. Written by a privileged process outside.
+    `process`: a pid, or ("fd", dirfd) of an open /proc/<pid> directory."""
+    lines = [f"0 {ns_root} 1"] + [f"{first} {first} {count}" for first, count in identity_ranges]
+    text = ("\n".join(lines) + "\n").encode()
+    for kind in ("uid_map", "gid_map"):
+        if isinstance(process, tuple):
+            fd = os.open(kind, os.O_WRONLY, dir_fd=process[1])
+        else:
+            fd = os.open(f"/proc/{process}/{kind}", os.O_WRONLY)
+        try:
+            os.write(fd, text)
+        finally:
+            os.close(fd)
 
 
 # -- seccomp -----------------------------------------------------------------------------------------

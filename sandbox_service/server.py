@@ -57,7 +57,7 @@ class ServerOptions:
     scratch_mb: int = 64
     pids_max: int = 64
     isolation: str = "auto"  # "auto" | "minimal" (rlimits only; for tests of the degraded path)
-    uid_base: int = 1_500_000
+    uid_base: int = 1_500_000  # slot uids from here; uid_base - 1 is the workers' root in their user namespace
 
     def validate(self) -> None:
         checks = [("workers", self.workers >= 1), ("slots", self.slots >= 1), ("timeout_s", 0 < self.timeout_s <= self.max_timeout_s),
@@ -93,6 +93,7 @@ class WorkerHandle:
     def __init__(self, pool: "Pool", flavour: str, index: int):
         self.pool, self.flavour, self.index = pool, flavour, index
         self.name = f"{flavour}{index}"
+        self.global_index = index + (pool.options.workers if flavour == "sci" else 0)  # distinct slot uids
         self.proc: asyncio.subprocess.Process | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.alive = False
@@ -109,7 +110,8 @@ class WorkerHandle:
         parent, child = socket.socketpair()
         cmd = [sys.executable, "-m", "sandbox_service.workers", "--fd", str(child.fileno()), "--index", str(self.index),
                "--flavour", self.flavour, "--slots", str(o.slots), "--instance", self.pool.instance,
-               "--isolation", o.isolation, "--uid-base", str(o.uid_base), "--pids-max", str(o.pids_max),
+               "--isolation", o.isolation, "--uid-base", str(o.uid_base + self.global_index * o.slots),
+               "--ns-root-uid", str(o.uid_base - 1), "--pids-max", str(o.pids_max),
                "--scratch-mb", str(o.scratch_mb), "--output-limit", str(o.output_limit_bytes)]
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -248,6 +250,7 @@ class Pool:
 
     async def start(self) -> None:
         self.queues = {f: asyncio.PriorityQueue() for f in self.workers}
+        isolation.remove_stale_instances()
         await asyncio.gather(*(w.start() for w in self.all_workers()))
         for w in self.all_workers():
             for _ in range(self.options.slots):

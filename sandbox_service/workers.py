@@ -96,8 +96,9 @@ class Call:
 
 
 class Zygote:
-    def __init__(self, args, report: isolation.IsolationReport, *, mount_ns: bool):
+    def __init__(self, args, report: isolation.IsolationReport, *, mount_ns: bool, outer: tuple[int, int] | None = None):
         self.args = args
+        self.outer = outer  # (request fd, response fd) to the outer process, which can write our id maps
         self.report = report
         self.mount_ns = mount_ns
         self.ctrl = socket.socket(fileno=args.fd)
@@ -121,7 +122,7 @@ class Zygote:
         rep.set("per_slot_uid", self.per_slot_uid,
                 "not root: every call runs as the service's own uid" if a.isolation != "minimal" else "disabled")
         for i in range(a.slots):
-            uid = a.uid_base + a.index * a.slots + i if self.per_slot_uid else os.geteuid()
+            uid = a.uid_base + i if self.per_slot_uid else os.geteuid()
             cg = None
             if is_root and a.isolation != "minimal":
                 cg = isolation.SlotCgroups(a.instance, f"{a.flavour}{a.index}-{i}")
@@ -157,11 +158,100 @@ class Zygote:
         signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
         self.sel.register(self.ctrl, selectors.EVENT_READ, ("ctrl", None))
         self.sel.register(self.wake_r, selectors.EVENT_READ, ("wake", None))
+        self._enter_user_namespace(is_root)
         # The calls' clean environment is set once here and inherited (cheaper than per call).
         os.environ.clear()
         os.environ.update(CHILD_ENV)
         gc.collect()
         gc.freeze()  # keep the pre-imported heap shared with the forked calls (no gc writes to it)
+
+    def _enter_user_namespace(self, is_root: bool) -> None:
+        """As root: move the zygote into a new user namespace whose root is an unprivileged host uid,
+        so that neither it nor the calls keep host capabilities (the read-only host view, owned by the
+        initial namespace, can no longer be undone). Probed in a throwaway child first."""
+        if self.outer is None or not is_root or self.args.isolation == "minimal":
+            if is_root and self.args.isolation != "minimal":
+                self.report.set("user_namespace", False, "no outer process to write the id maps")
+            self._close_outer()
+            return
+        ns_root, ranges = self.args.ns_root_uid, [(self.slots[0].uid, len(self.slots))]
+        try:
+            for slot in self.slots:
+                if slot.cgroups:
+                    slot.cgroups.delegate(ns_root, ns_root)
+            if self.scratch_root:
+                os.chown(self.scratch_root, ns_root, ns_root)
+            problem = self._probe_user_namespace(ns_root, ranges)
+        except OSError as e:
+            problem = f"delegation failed: {e}"
+        if problem:
+            self.report.set("user_namespace", False, problem)
+            self._close_outer()
+            return
+        req_w, resp_r = self.outer
+        isolation.unshare(isolation.CLONE_NEWUSER)
+        os.write(req_w, b"u")
+        answer = os.read(resp_r, 1)
+        self._close_outer()
+        if answer != b"k":  # the probe passed, so this is not expected; a restart retries
+            log.error("the outer process could not write the user namespace's id maps")
+            os._exit(3)
+        os.setresgid(0, 0, 0)
+        os.setresuid(0, 0, 0)
+        self.report.set("user_namespace", True)
+
+    def _close_outer(self) -> None:
+        if self.outer:
+            for fd in self.outer:
+                os.close(fd)
+            self.outer = None
+
+    def _probe_user_namespace(self, ns_root: int, ranges: list[tuple[int, int]]) -> str | None:
+        """Does in a child what the zygote and a call will do inside the user namespace."""
+        to_child_r, to_child_w = os.pipe()
+        to_parent_r, to_parent_w = os.pipe()
+        slot = self.slots[0]
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                isolation.unshare(isolation.CLONE_NEWUSER)
+                os.write(to_parent_w, b"u")
+                if os.read(to_child_r, 1) != b"k":
+                    os._exit(2)
+                os.setresgid(0, 0, 0)
+                os.setresuid(0, 0, 0)
+                if slot.cgroups:
+                    slot.cgroups.set_memory_limit(64 << 20)
+                    slot.cgroups.attach_self()
+                if self.mount_ns:
+                    isolation.mount_call_scratch(self._limits_for_probe(), slot.uid, slot.gid)
+                isolation.drop_privileges(slot.uid, slot.gid)
+            except BaseException as e:  # noqa: BLE001 - reported to the parent through the exit code
+                os.write(2, f"user namespace probe: {e!r}\n".encode())
+                code = 3
+            os._exit(code)
+        os.close(to_child_r)
+        os.close(to_parent_w)
+        error = ""
+        if os.read(to_parent_r, 1) == b"u":
+            try:
+                isolation.write_id_maps(pid, ns_root, ranges)
+                os.write(to_child_w, b"k")
+            except OSError as e:
+                error = str(e)
+                os.write(to_child_w, b"f")
+        os.close(to_child_w)
+        os.close(to_parent_r)
+        _, st = os.waitpid(pid, 0)
+        rc = os.waitstatus_to_exitcode(st)
+        if slot.cgroups:
+            slot.cgroups._memory_limit = None  # the probe changed it
+        return None if rc == 0 else f"user namespace probe failed (rc {rc}) {error}".strip()
+
+    def _limits_for_probe(self) -> isolation.CallLimits:
+        return isolation.CallLimits(cpu_s=1, memory_bytes=64 << 20, address_space_bytes=None, file_size_bytes=1 << 20,
+                                    open_files=64, processes=8, scratch_bytes=1 << 20)
 
     def _send(self, header: dict, blobs=()) -> None:
         self.ctrl.sendall(encode(header, blobs))
@@ -546,6 +636,24 @@ def _warm_up_sci(missing: list[str]) -> None:
         is_equivalent("\\frac{1}{2}", "x")  # pulls in math-verify's lazily imported parsers
 
 
+def _serve_id_maps(proc_dir: int, req_r: int, resp_w: int, args) -> None:
+    """Outer process: write the zygote's id maps if it asks (it cannot write its own)."""
+    try:
+        request = os.read(req_r, 1)
+    except OSError:
+        request = b""
+    if request == b"u":
+        try:
+            isolation.write_id_maps(("fd", proc_dir), args.ns_root_uid, [(args.uid_base, args.slots)])
+            os.write(resp_w, b"k")
+        except OSError as e:
+            log.error("writing the zygote's id maps failed: %s", e)
+            os.write(resp_w, b"f")
+    os.close(req_r)
+    os.close(resp_w)
+    os.close(proc_dir)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="sandbox worker (started by the sandbox server)")
     p.add_argument("--fd", type=int, required=True, help="control socket inherited from the server")
@@ -554,7 +662,9 @@ def parse_args(argv=None):
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--instance", default=f"w{os.getpid()}")
     p.add_argument("--isolation", choices=("auto", "minimal"), default="auto")
-    p.add_argument("--uid-base", type=int, default=1_500_000)
+    p.add_argument("--uid-base", type=int, default=1_500_000, help="uid of slot 0 (slot i: + i)")
+    p.add_argument("--ns-root-uid", type=int, default=1_499_999,
+                   help="host uid (and gid) of the worker's root inside its user namespace")
     p.add_argument("--pids-max", type=int, default=64)
     p.add_argument("--open-files", type=int, default=256)
     p.add_argument("--scratch-mb", type=int, default=64)
@@ -576,11 +686,21 @@ def main(argv=None) -> None:
         new_pid_ns = isolation.enter_namespaces(report)
     else:
         report.warnings.append("isolation disabled by --isolation minimal")
+    outer = None
     if new_pid_ns:
+        req_r, req_w = os.pipe()
+        resp_r, resp_w = os.pipe()
         pid = os.fork()  # the child is PID 1 of the new pid namespace
         if pid:
             os.close(args.fd)
+            os.close(req_w)
+            os.close(resp_r)
             signal.signal(signal.SIGTERM, lambda *_: os.kill(pid, signal.SIGKILL))
+            # Our /proc is about to be replaced by the zygote's (same mount namespace): hold on to
+            # the zygote's entry in the current one, then let it go on.
+            proc_dir = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY)
+            os.write(resp_w, b"g")
+            _serve_id_maps(proc_dir, req_r, resp_w, args)
             while True:
                 try:
                     _, st = os.waitpid(pid, 0)
@@ -589,6 +709,11 @@ def main(argv=None) -> None:
                     continue
             os._exit(max(os.waitstatus_to_exitcode(st), 0))
         isolation.set_parent_death_signal(signal.SIGKILL)
+        os.close(req_r)
+        os.close(resp_w)
+        if os.read(resp_r, 1) != b"g":  # the outer process holds our /proc entry
+            os._exit(3)
+        outer = (req_w, resp_r)
     mount_ns = report.features["mount_namespace"]
     if mount_ns:
         keep = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
@@ -597,7 +722,7 @@ def main(argv=None) -> None:
     else:
         report.set("readonly_host", False, "no mount namespace")
         report.set("hidden_proc", False, "no mount namespace")
-    zygote = Zygote(args, report, mount_ns=mount_ns)
+    zygote = Zygote(args, report, mount_ns=mount_ns, outer=outer)
     zygote.setup()
     zygote.serve()
 

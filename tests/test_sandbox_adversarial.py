@@ -62,7 +62,7 @@ def sandbox():
     sb.stop()
     # After stop: nothing of the server's process group and no call process is left on the host.
     assert processes_in_group(server_pid) == []
-    assert processes_with_uid_in(UID_BASE, UID_BASE + 100) == []
+    assert processes_with_uid_in(UID_BASE - 1, UID_BASE + 100) == []  # zygotes (UID_BASE - 1) and calls
 
 
 @pytest.fixture(scope="module")
@@ -263,3 +263,20 @@ def test_calls_cannot_signal_each_other(sandbox):
     victim, attacker = asyncio.run(go())
     assert victim.status == status.OK and victim.stdout == "victim ok\n", victim
     assert attacker.status in (status.OK, status.KILLED_BY_SIGNAL), attacker
+
+
+def test_workers_hold_no_host_root(sandbox):
+    """With a user namespace the zygotes run as the unprivileged host uid UID_BASE - 1 (root only
+    inside their namespace); the calls run as per-slot uids."""
+    async def go():
+        async with SandboxClient(sandbox.target) as client:
+            return await client.info(), await client.execute("import os\nprint(open('/proc/self/uid_map').read())\nos.getuid()")
+    info, r = asyncio.run(go())
+    assert r.status == status.OK, r
+    if not info.isolation_features["user_namespace"]:
+        pytest.skip(f"no user namespace here: {info.isolation_warnings}")
+    first_map_line = r.stdout.splitlines()[0].split()
+    assert first_map_line == ["0", str(UID_BASE - 1), "1"]
+    assert UID_BASE <= int(r.stdout.splitlines()[-1]) < UID_BASE + 100
+    zygotes = processes_with_uid_in(UID_BASE - 1, UID_BASE)
+    assert zygotes and all("sandbox_service.workers" in cmd for _, _, cmd in zygotes)
