@@ -85,10 +85,15 @@ def main() -> None:
     p.add_argument("--batch-wait-ms", type=float, default=1.0)
     p.add_argument("--isolation", choices=("auto", "minimal"), default="auto")
     a = p.parse_args()
+    asyncio.run(run(a))
+
+
+async def run(a) -> None:
+    """One event loop for every gRPC row (grpc.aio channels are bound to their loop)."""
     cores = os.cpu_count() or 1
     print(f"machine: {cores} CPU cores, load average {os.getloadavg()[0]:.1f} at start; python {sys.version.split()[0]}")
-    with LocalSandbox(workers=a.workers, slots=a.slots, isolation=a.isolation, timeout_s=30.0) as sb:
-        info = asyncio.run(_info(sb.target))
+    async with LocalSandbox(workers=a.workers, slots=a.slots, isolation=a.isolation, timeout_s=30.0) as sb:
+        info = await _info(sb.target)
         print(f"server: {a.workers} worker(s) x {a.slots} slots per flavour; isolation level {info.isolation_level!r}"
               + (f" (missing: {[k for k, v in info.isolation_features.items() if not v]})" if info.isolation_level != "full" else ""))
         print(f"client: batch_size {a.batch_size}, batch_wait_ms {a.batch_wait_ms}")
@@ -96,12 +101,12 @@ def main() -> None:
         print(f"{'payload':<12} {'variant':<22} {'conc':>5} {'calls':>6} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'vs naive':>9}")
         for name, (code, expected) in PAYLOADS.items():
             n_naive = a.naive_calls if name == "print(1+1)" else max(8, a.naive_calls // 4)
-            base = naive(code, expected, n_naive, cores)
+            base = await asyncio.to_thread(naive, code, expected, n_naive, cores)
             print(f"{name:<12} {'naive subprocess.run':<22} {cores:>5} {n_naive:>6} {base['calls_s']:>9.1f} "
-                  f"{base['p50_ms']:>8.1f} {base['p99_ms']:>8.1f} {1.0:>8.1f}x")
+                  f"{base['p50_ms']:>8.1f} {base['p99_ms']:>8.1f} {1.0:>8.1f}x", flush=True)
             n = a.calls if name == "print(1+1)" else max(50, a.calls // 4)
             for conc in a.concurrency:
-                row = asyncio.run(through_grpc(sb.target, code, expected, n, conc, a.batch_size, a.batch_wait_ms))
+                row = await through_grpc(sb.target, code, expected, n, conc, a.batch_size, a.batch_wait_ms)
                 print(f"{name:<12} {'sandbox gRPC':<22} {conc:>5} {n:>6} {row['calls_s']:>9.1f} {row['p50_ms']:>8.1f} "
                       f"{row['p99_ms']:>8.1f} {row['calls_s'] / base['calls_s']:>8.1f}x", flush=True)
     print(f"\nload average at end {os.getloadavg()[0]:.1f}. Physical reference (sandbox.md §5, bare fork worker, "
