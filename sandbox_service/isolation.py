@@ -79,6 +79,14 @@ def mount(source: str | None, target: str, fstype: str | None, flags: int, data:
     _check(_libc.mount(enc(source), target.encode(), enc(fstype), flags, enc(data)), f"mount {target}")
 
 
+_libc.setns.argtypes = (ctypes.c_int, ctypes.c_int)
+
+
+def setns(fd: int, nstype: int) -> None:
+    """setns(2); os.setns exists only on Python >= 3.12."""
+    _check(_libc.setns(fd, nstype), "setns")
+
+
 def umount(target: str, flags: int = MNT_DETACH) -> None:
     _check(_libc.umount2(target.encode(), flags), f"umount {target}")
 
@@ -524,11 +532,13 @@ def _insn(code: int, jt: int, jf: int, k: int) -> bytes:
     return struct.pack("=HBBI", code, jt, jf, k & 0xFFFFFFFF)
 
 
-def seccomp_program() -> bytes | None:
+def seccomp_program(*, allow_setns: bool = False) -> bytes | None:
     """A classic-BPF seccomp filter: deny (EPERM) kernel-surface syscalls (mount, unshare, setns,
     ptrace, bpf, keyrings, io_uring, ...), sockets other than AF_UNIX, and clone with namespace
     flags; clone3 answers ENOSYS so that libc falls back to clone, whose flags can be inspected.
-    None on architectures without a syscall table here."""
+    allow_setns: for a filter loaded once in the zygote, whose calls join their slot's prepared
+    mount namespace (setns needs capabilities the calls never have). None on architectures without
+    a syscall table here."""
     if platform.machine() != "x86_64" or sys.byteorder != "little":
         return None
     ld_w_abs, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
@@ -541,7 +551,8 @@ def seccomp_program() -> bytes | None:
         _insn(jge, 0, 1, 0x40000000),  # x32 ABI
         _insn(ret, 0, 0, eperm),
     ]
-    for nr in sorted(_X86_64_DENIED.values()):
+    denied = {name: nr for name, nr in _X86_64_DENIED.items() if not (allow_setns and name == "setns")}
+    for nr in sorted(denied.values()):
         prog += [_insn(jeq, 0, 1, nr), _insn(ret, 0, 0, eperm)]
     prog += [_insn(jeq, 0, 1, _X86_64_CLONE3), _insn(ret, 0, 0, enosys)]
     prog += [  # socket(domain, ...): only AF_UNIX

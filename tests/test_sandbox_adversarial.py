@@ -280,3 +280,21 @@ def test_workers_hold_no_host_root(sandbox):
     assert UID_BASE <= int(r.stdout.splitlines()[-1]) < UID_BASE + 100
     zygotes = processes_with_uid_in(UID_BASE - 1, UID_BASE)
     assert zygotes and all("sandbox_service.workers" in cmd for _, _, cmd in zygotes)
+
+
+def test_filling_the_scratch_disk_is_contained_and_cleaned(sandbox):
+    code = textwrap.dedent("""
+        import errno
+        n = 0
+        try:
+            while True:
+                with open(f"f{n}", "wb") as f:
+                    f.write(b"0" * (1 << 20))
+                n += 1
+        except OSError as e:
+            print(errno.errorcode[e.errno], n > 0)
+    """)
+    r = run(sandbox, code)
+    assert r.status == status.OK and r.stdout == "ENOSPC True\n", r
+    after = run(sandbox, "import os\nprint(os.listdir('.'), os.listdir('/dev/shm'))\n_ = open('x', 'w').write('ok')")
+    assert after.status == status.OK and after.stdout == "[] []\n", after
