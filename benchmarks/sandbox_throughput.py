@@ -91,14 +91,17 @@ def main() -> None:
 async def run(a) -> None:
     """One event loop for every gRPC row (grpc.aio channels are bound to their loop)."""
     cores = os.cpu_count() or 1
-    print(f"machine: {cores} CPU cores, load average {os.getloadavg()[0]:.1f} at start; python {sys.version.split()[0]}")
+    print(f"machine: {cores} CPU cores, load average {os.getloadavg()[0]:.1f} at start; "
+          f"python {sys.version.split()[0]}")
     async with LocalSandbox(workers=a.workers, slots=a.slots, isolation=a.isolation, timeout_s=30.0) as sb:
         info = await _info(sb.target)
+        missing = [k for k, v in info.isolation_features.items() if not v]
         print(f"server: {a.workers} worker(s) x {a.slots} slots per flavour; isolation level {info.isolation_level!r}"
-              + (f" (missing: {[k for k, v in info.isolation_features.items() if not v]})" if info.isolation_level != "full" else ""))
+              + (f" (missing: {missing})" if missing else ""))
         print(f"client: batch_size {a.batch_size}, batch_wait_ms {a.batch_wait_ms}")
         print()
-        print(f"{'payload':<12} {'variant':<22} {'conc':>5} {'calls':>6} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'vs naive':>9}")
+        print(f"{'payload':<12} {'variant':<22} {'conc':>5} {'calls':>6} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
+              f"{'vs naive':>9}")
         for name, (code, expected) in PAYLOADS.items():
             n_naive = a.naive_calls if name == "print(1+1)" else max(8, a.naive_calls // 4)
             base = await asyncio.to_thread(naive, code, expected, n_naive, cores)

@@ -337,8 +337,8 @@ class SandboxClient:
             if p.future.done():
                 continue
             if p.attempts > self.max_retries:
-                p.future.set_result(self._failure(p.last_status, f"gave up after {p.attempts} attempts: {p.last_message}",
-                                                  p.attempts, ep.target))
+                message = f"gave up after {p.attempts} attempts: {p.last_message}"
+                p.future.set_result(self._failure(p.last_status, message, p.attempts, ep.target))
                 continue
             task = asyncio.create_task(self._requeue(p, self._backoff(p.attempts - 1)))
             self._tasks.add(task)

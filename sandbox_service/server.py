@@ -60,11 +60,13 @@ class ServerOptions:
     uid_base: int = 1_500_000  # slot uids from here; uid_base - 1 is the workers' root in their user namespace
 
     def validate(self) -> None:
-        checks = [("workers", self.workers >= 1), ("slots", self.slots >= 1), ("timeout_s", 0 < self.timeout_s <= self.max_timeout_s),
+        checks = [("workers", self.workers >= 1), ("slots", self.slots >= 1),
+                  ("timeout_s", 0 < self.timeout_s <= self.max_timeout_s),
                   ("memory_mb", 16 <= self.memory_mb <= self.max_memory_mb), ("max_queue", self.max_queue >= 0),
-                  ("output_limit_bytes", 1 <= self.output_limit_bytes <= 16 << 20), ("isolation", self.isolation in ("auto", "minimal")),
-                  ("verify_timeout_s", 0 < self.verify_timeout_s <= self.max_timeout_s), ("scratch_mb", self.scratch_mb >= 1),
-                  ("pids_max", self.pids_max >= 4)]
+                  ("output_limit_bytes", 1 <= self.output_limit_bytes <= 16 << 20),
+                  ("isolation", self.isolation in ("auto", "minimal")),
+                  ("verify_timeout_s", 0 < self.verify_timeout_s <= self.max_timeout_s),
+                  ("scratch_mb", self.scratch_mb >= 1), ("pids_max", self.pids_max >= 4)]
         bad = [name for name, ok in checks if not ok]
         if bad:
             raise ValueError(f"invalid server options: {', '.join(f'{b}={getattr(self, b)!r}' for b in bad)}")
@@ -262,8 +264,8 @@ class Pool:
         await asyncio.gather(*(w.stop() for w in self.all_workers()), return_exceptions=True)
         for _ in range(50):  # slot groups disappear once their last process is reaped
             isolation.remove_instance_cgroups(self.instance)
-            if not any(os.path.isdir(f"{r}/sandbox_service/{self.instance}") for r in
-                       (f"{isolation.CGROUP_V1}/memory", f"{isolation.CGROUP_V1}/pids", *isolation.CGROUP_V2_CANDIDATES)):
+            roots = (f"{isolation.CGROUP_V1}/memory", f"{isolation.CGROUP_V1}/pids", *isolation.CGROUP_V2_CANDIDATES)
+            if not any(os.path.isdir(f"{r}/sandbox_service/{self.instance}") for r in roots):
                 break
             await asyncio.sleep(0.02)
 
@@ -323,8 +325,8 @@ class Pool:
 
 
 def _error_header(message: str) -> tuple[dict, list[bytes]]:
-    return ({"status": status.SANDBOX_ERROR, "exit_code": -1, "duration_s": 0.0, "cpu_s": 0.0, "stdout_truncated": False,
-             "stderr_truncated": False, "message": message, "retryable": True}, [b"", b""])
+    return ({"status": status.SANDBOX_ERROR, "exit_code": -1, "duration_s": 0.0, "cpu_s": 0.0,
+             "stdout_truncated": False, "stderr_truncated": False, "message": message, "retryable": True}, [b"", b""])
 
 
 class SandboxServicer(pb2_grpc.SandboxServicer):
@@ -338,10 +340,12 @@ class SandboxServicer(pb2_grpc.SandboxServicer):
         o = self.options
         timeout = timeout_s or default_timeout
         if not (math.isfinite(timeout) and 0 < timeout <= o.max_timeout_s):
-            raise ValueError(f"timeout_s must be in (0, {o.max_timeout_s:g}] (0 = default {default_timeout:g}); got {timeout_s!r}")
+            raise ValueError(f"timeout_s must be in (0, {o.max_timeout_s:g}] (0 = default {default_timeout:g}); "
+                             f"got {timeout_s!r}")
         memory = memory_mb or o.memory_mb
         if not 16 <= memory <= o.max_memory_mb:
-            raise ValueError(f"memory_mb must be in [16, {o.max_memory_mb}] (0 = default {o.memory_mb}); got {memory_mb!r}")
+            raise ValueError(f"memory_mb must be in [16, {o.max_memory_mb}] (0 = default {o.memory_mb}); "
+                             f"got {memory_mb!r}")
         return timeout, memory
 
     def _exec_args(self, req) -> tuple[list[bytes], float, int, str]:
@@ -409,10 +413,11 @@ class SandboxServicer(pb2_grpc.SandboxServicer):
 
     async def Verify(self, request, context):
         o = self.options
-        text, gold = request.response_text.encode("utf-8", "surrogateescape"), request.gold_answer.encode("utf-8", "surrogateescape")
+        text = request.response_text.encode("utf-8", "surrogateescape")
+        gold = request.gold_answer.encode("utf-8", "surrogateescape")
         if len(text) + len(gold) > o.max_code_bytes:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"response_text + gold_answer is {len(text) + len(gold)} bytes; the limit is {o.max_code_bytes}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"response_text + gold_answer is "
+                                f"{len(text) + len(gold)} bytes; the limit is {o.max_code_bytes}")
         try:
             timeout, memory = self._limits(request.timeout_s, 0, o.verify_timeout_s)
         except ValueError as e:
@@ -427,23 +432,26 @@ class SandboxServicer(pb2_grpc.SandboxServicer):
         if code == status.OK and verdict is None:
             code, message = status.RUNTIME_ERROR, "the verifier produced no verdict"
         extracted = verdict.get("extracted") if verdict else None
-        return pb2.VerifyResult(request_id=request.request_id, correct=bool(verdict and verdict["correct"]), status=code,
-                                has_extracted=extracted is not None, extracted=extracted or "",
+        return pb2.VerifyResult(request_id=request.request_id, correct=bool(verdict and verdict["correct"]),
+                                status=code, has_extracted=extracted is not None, extracted=extracted or "",
                                 duration_s=float(header["duration_s"]), message=message)
 
     async def Health(self, request, context):
         alive = sum(w.alive for w in self.pool.all_workers())
-        return pb2.HealthReply(serving=alive > 0, isolation_level=self.pool.isolation_summary()["level"], workers_alive=alive)
+        level = self.pool.isolation_summary()["level"]
+        return pb2.HealthReply(serving=alive > 0, isolation_level=level, workers_alive=alive)
 
     async def Info(self, request, context):
         summary = self.pool.isolation_summary()
         workers = self.pool.all_workers()
         return pb2.InfoReply(
-            isolation_level=summary["level"], isolation_features=summary["features"], isolation_warnings=summary["warnings"],
+            isolation_level=summary["level"], isolation_features=summary["features"],
+            isolation_warnings=summary["warnings"],
             workers=len(workers), workers_alive=sum(w.alive for w in workers), slots_per_worker=self.options.slots,
             capacity=self.pool.capacity, queue_depth=self.pool.queue_depth(), in_flight=self.pool.in_flight,
             max_queue=self.options.max_queue, counters=self.pool.counters, default_timeout_s=self.options.timeout_s,
-            default_memory_mb=self.options.memory_mb, output_limit_bytes=self.options.output_limit_bytes, version=VERSION,
+            default_memory_mb=self.options.memory_mb, output_limit_bytes=self.options.output_limit_bytes,
+            version=VERSION,
             uptime_s=time.monotonic() - self.started)
 
 
@@ -460,8 +468,9 @@ async def serve(options: ServerOptions, *, port_file: str | None = None, parent_
     if summary["level"] == "full":
         log.info("isolation level: full (%s)", ", ".join(k for k, v in summary["features"].items() if v))
     else:
-        log.warning("!!! DEGRADED ISOLATION: level %r; missing: %s; %s !!!", summary["level"],
-                    ", ".join(k for k, v in summary["features"].items() if not v) or "-", "; ".join(summary["warnings"]))
+        missing = ", ".join(k for k, v in summary["features"].items() if not v) or "-"
+        log.warning("!!! DEGRADED ISOLATION: level %r; missing: %s; %s !!!", summary["level"], missing,
+                    "; ".join(summary["warnings"]))
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb2_grpc.add_SandboxServicer_to_server(SandboxServicer(pool), server)
     port = server.add_insecure_port(f"{options.host}:{options.port}")

@@ -99,7 +99,8 @@ class Call:
 
 
 class Zygote:
-    def __init__(self, args, report: isolation.IsolationReport, *, mount_ns: bool, outer: tuple[int, int] | None = None):
+    def __init__(self, args, report: isolation.IsolationReport, *, mount_ns: bool,
+                 outer: tuple[int, int] | None = None):
         self.args = args
         self.outer = outer  # (request fd, response fd) to the outer process, which can write our id maps
         self.report = report
@@ -233,8 +234,8 @@ class Zygote:
                 isolation.unshare(isolation.CLONE_NEWNS)
                 isolation.mount(f"{slot.scratch}/tmp", "/tmp", None, isolation.MS_BIND)
                 isolation.mount(f"{slot.scratch}/shm", "/dev/shm", None, isolation.MS_BIND)
-                isolation.mount("sandbox-hide", "/mnt", "tmpfs", isolation.MS_NOSUID | isolation.MS_NODEV | isolation.MS_RDONLY,
-                                "size=4k,mode=0755")
+                flags = isolation.MS_NOSUID | isolation.MS_NODEV | isolation.MS_RDONLY
+                isolation.mount("sandbox-hide", "/mnt", "tmpfs", flags, "size=4k,mode=0755")
                 os.write(ready_w, b"k")
                 os.read(hold_r, 1)  # until the zygote holds our namespace
             except BaseException as e:  # noqa: BLE001 - reported through the exit code
@@ -734,7 +735,8 @@ def _warm_up_sci(missing: list[str]) -> None:
         sympy.solve([x + y - 3, x - y - 1], [x, y]), sympy.solve(x**2 - 2, x), sympy.integrate(x**2, (x, 0, 1))
         sympy.isprime(97), sympy.factorint(360), sympy.Rational(3, 4) + 1, sympy.sqrt(8), sympy.nsimplify(0.5)
         sympy.latex(x**2), sympy.diff(sympy.sin(x), x), sympy.limit(sympy.sin(x) / x, x, 0)
-        sympy.series(sympy.exp(x), x, 0, 3), sympy.binomial(10, 3), sympy.gcd(12, 18), sympy.Matrix([[1, 2], [3, 4]]).det()
+        sympy.series(sympy.exp(x), x, 0, 3), sympy.binomial(10, 3), sympy.gcd(12, 18)
+        sympy.Matrix([[1, 2], [3, 4]]).det()
     if "numpy" not in missing:
         import numpy
 
@@ -783,7 +785,8 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s worker {args.flavour}{args.index} %(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s worker {args.flavour}{args.index} %(levelname)s %(message)s")
     for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
         os.environ[k] = "1"  # before numpy is imported: no BLAS thread pools at fork time
     missing = _preload(args.flavour)

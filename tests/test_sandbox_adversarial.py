@@ -119,37 +119,45 @@ CASES = {
                   lambda r: "Read-only file system" in r.stderr or "Permission" in r.stderr),
     "kill_parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('survived')", status.RUNTIME_ERROR,
                     lambda r: "Error" in r.stderr),
-    "kill_everything": ("import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError as e:\n    print(type(e).__name__)",
+    "kill_everything": ("import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\n"
+                        "except OSError as e:\n    print(type(e).__name__)",
                         None, None),
     "deep_recursion": ("import sys\nsys.setrecursionlimit(10**9)\ndef f(n): return f(n + 1)\nf(0)", None,
                        lambda r: r.status in (status.RUNTIME_ERROR, status.KILLED_BY_SIGNAL, status.MEMORY_LIMIT)),
-    "eight_threads": ("import threading\nout = []\nts = [threading.Thread(target=out.append, args=(i,)) for i in range(8)]\n"
+    "eight_threads": ("import threading\nout = []\n"
+                      "ts = [threading.Thread(target=out.append, args=(i,)) for i in range(8)]\n"
                       "[t.start() for t in ts]\n[t.join() for t in ts]\nprint(sorted(out))", status.OK,
                       lambda r: r.stdout == f"{list(range(8))}\n"),
-    "thread_bomb": ("import threading, time\nwhile True:\n    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()",
+    "thread_bomb": ("import threading, time\nwhile True:\n"
+                    "    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()",
                     status.RUNTIME_ERROR, lambda r: "can't start new thread" in r.stderr or "RuntimeError" in r.stderr),
     "multiprocessing_pool": ("import multiprocessing as mp\nwith mp.Pool(2) as p:\n    print(p.map(abs, [-1, -2, 3]))",
                              status.OK, lambda r: r.stdout == "[1, 2, 3]\n"),
-    "subprocess": ("import subprocess\nprint(subprocess.run(['echo', 'hi'], capture_output=True, text=True).stdout.strip())",
+    "subprocess": ("import subprocess\n"
+                   "print(subprocess.run(['echo', 'hi'], capture_output=True, text=True).stdout.strip())",
                    status.OK, lambda r: r.stdout == "hi\n"),
     "stdin_absent": ("input()", status.RUNTIME_ERROR, lambda r: "EOFError" in r.stderr),
     "non_utf8": ("import sys\n_ = sys.stdout.buffer.write(b'\\xff\\xfe ok\\n')", status.OK,
                  lambda r: r.stdout_bytes == b"\xff\xfe ok\n" and r.stdout == "\ufffd\ufffd ok\n"),
     "sys_exit_3": ("import sys\nsys.exit(3)", status.RUNTIME_ERROR, lambda r: r.exit_code == 3),
-    "sys_exit_message": ("import sys\nsys.exit('bye')", status.RUNTIME_ERROR, lambda r: r.exit_code == 1 and r.stderr == "bye\n"),
+    "sys_exit_message": ("import sys\nsys.exit('bye')", status.RUNTIME_ERROR,
+                         lambda r: r.exit_code == 1 and r.stderr == "bye\n"),
     "os_exit_7": ("import os\nos._exit(7)", status.RUNTIME_ERROR, lambda r: r.exit_code == 7),
     "sys_exit_0": ("import sys\nprint('a')\nsys.exit(0)", status.OK, lambda r: r.stdout == "a\n"),
     "uncaught_exception": ("def g():\n    raise ValueError('boom')\ng()", status.RUNTIME_ERROR,
                            lambda r: r.stderr.startswith("Traceback") and 'File "<tool>", line 3' in r.stderr
-                           and "ValueError: boom" in r.stderr and "harness" not in r.stderr and "workers" not in r.stderr),
+                           and "ValueError: boom" in r.stderr and "harness" not in r.stderr
+                           and "workers" not in r.stderr),
     "syntax_error": ("def f(:\n  pass", status.RUNTIME_ERROR, lambda r: "SyntaxError" in r.stderr),
     "keyboard_interrupt": ("raise KeyboardInterrupt", status.RUNTIME_ERROR, lambda r: "KeyboardInterrupt" in r.stderr),
     "double_fork_daemon": ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
                            "        time.sleep(60)\n    os._exit(0)\nprint('main done')", status.OK,
                            lambda r: r.stdout == "main done\n"),
-    "ignore_sigterm_and_alarm": ("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nsignal.alarm(0)\nwhile True: pass",
+    "ignore_sigterm_and_alarm": ("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+                                 "signal.alarm(0)\nwhile True: pass",
                                  status.TIMEOUT, None),
-    "raise_rlimit": ("import resource\ns, h = resource.getrlimit(resource.RLIMIT_CPU)\nresource.setrlimit(resource.RLIMIT_CPU, (h + 10, h + 10))",
+    "raise_rlimit": ("import resource\ns, h = resource.getrlimit(resource.RLIMIT_CPU)\n"
+                     "resource.setrlimit(resource.RLIMIT_CPU, (h + 10, h + 10))",
                      status.RUNTIME_ERROR, lambda r: "ValueError" in r.stderr or "PermissionError" in r.stderr),
     "close_stdio_then_spin": ("import os\nos.close(1)\nos.close(2)\nwhile True: pass", status.TIMEOUT, None),
     "close_stdio_then_sleep": ("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(30)", status.TIMEOUT, None),
@@ -223,7 +231,9 @@ def test_nothing_written_outside_scratch(sandbox, canary):
     code = textwrap.dedent(f"""
         import os
         results = []
-        for path in [{target!r}, "/var/tmp/sandbox_escape", "/dev/shm/sandbox_escape", {os.getcwd() + '/sandbox_escape'!r}]:
+        paths = [{target!r}, "/var/tmp/sandbox_escape", "/dev/shm/sandbox_escape",
+                 {os.getcwd() + '/sandbox_escape'!r}]
+        for path in paths:
             try:
                 with open(path, "w") as f:
                     f.write("x")
@@ -238,7 +248,8 @@ def test_nothing_written_outside_scratch(sandbox, canary):
     assert not os.path.exists(target) and not os.path.exists("/var/tmp/sandbox_escape")
     assert not os.path.exists(os.path.join(os.getcwd(), "sandbox_escape"))
     # /dev/shm and /tmp inside the call are private and vanish with it; the next call sees neither
-    r2 = run(sandbox, "import os\nprint(os.path.exists('/dev/shm/sandbox_escape'), os.path.exists('inside_scratch.txt'))")
+    r2 = run(sandbox, "import os\n"
+                      "print(os.path.exists('/dev/shm/sandbox_escape'), os.path.exists('inside_scratch.txt'))")
     assert r2.stdout == "False False\n", r2
     assert not os.path.exists("/dev/shm/sandbox_escape")
 
@@ -270,7 +281,8 @@ def test_workers_hold_no_host_root(sandbox):
     inside their namespace); the calls run as per-slot uids."""
     async def go():
         async with SandboxClient(sandbox.target) as client:
-            return await client.info(), await client.execute("import os\nprint(open('/proc/self/uid_map').read())\nos.getuid()")
+            code = "import os\nprint(open('/proc/self/uid_map').read())\nos.getuid()"
+            return await client.info(), await client.execute(code)
     info, r = asyncio.run(go())
     assert r.status == status.OK, r
     if not info.isolation_features["user_namespace"]:

@@ -62,7 +62,8 @@ def test_health_and_info(sandbox):
             return await client.info()
     info = asyncio.run(go())
     assert info.isolation_level in ("full", "partial", "minimal")
-    assert set(info.isolation_features) >= {"pid_namespace", "net_namespace", "seccomp", "per_slot_uid", "cgroup_memory"}
+    assert set(info.isolation_features) >= {"pid_namespace", "net_namespace", "seccomp", "per_slot_uid",
+                                            "cgroup_memory", "user_namespace"}
     essential = ("pid_namespace", "net_namespace", "mount_namespace", "readonly_host", "seccomp", "per_slot_uid")
     assert (info.isolation_level != "minimal") == all(info.isolation_features[f] for f in essential)
     assert (info.workers, info.workers_alive, info.slots_per_worker, info.capacity) == (2, 2, 3, 6)
@@ -86,7 +87,8 @@ def test_invalid_requests_name_the_field(sandbox, request_kwargs, field):
         with pytest.raises(grpc.RpcError) as e:
             stub.Execute(pb2.ExecuteRequest(**request_kwargs))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
-        batch = list(stub.ExecuteBatch(pb2.ExecuteBatchRequest(requests=[pb2.ExecuteRequest(request_id="a", **request_kwargs)])))
+        request = pb2.ExecuteBatchRequest(requests=[pb2.ExecuteRequest(request_id="a", **request_kwargs)])
+        batch = list(stub.ExecuteBatch(request))
         assert len(batch) == 1 and batch[0].status == status.REJECTED and not batch[0].retryable
         assert field in batch[0].message
 
@@ -155,7 +157,8 @@ def test_server_killed_and_restarted_with_calls_in_flight():
     try:
         async def go():
             async with SandboxClient(sb.target, batch_size=4, max_retries=20, max_backoff_s=1.0) as client:
-                calls = [asyncio.create_task(client.execute(f"import time\ntime.sleep(0.5)\nprint({i})")) for i in range(16)]
+                codes = [f"import time\ntime.sleep(0.5)\nprint({i})" for i in range(16)]
+                calls = [asyncio.create_task(client.execute(code)) for code in codes]
                 await asyncio.sleep(0.3)
                 await asyncio.to_thread(sb.kill)  # SIGKILL of the whole server, calls in flight
                 await asyncio.to_thread(sb.start)  # same port
