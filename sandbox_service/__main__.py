@@ -32,7 +32,8 @@ def parse_args(argv=None) -> tuple[ServerOptions, argparse.Namespace]:
     p.add_argument("--pids-max", type=int, default=d.pids_max, help="processes + threads per call")
     p.add_argument("--isolation", choices=("auto", "minimal"), default=d.isolation,
                    help="auto: the strongest the machine allows; minimal: rlimits only (testing)")
-    p.add_argument("--uid-base", type=int, default=d.uid_base, help="first of the per-slot uids")
+    p.add_argument("--uid-base", type=int, default=d.uid_base,
+                   help="first of the per-slot uids (default: a range derived from the server's pid)")
     p.add_argument("--parent-pid", type=int, help="stop when this process exits")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)

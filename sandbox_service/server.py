@@ -36,6 +36,7 @@ log = logging.getLogger("sandbox_service")
 VERSION = "1.0"
 _SCI_NAMES = re.compile(r"\b(?:numpy|sympy|scipy|mpmath|networkx|math_verify)\b")
 _LEVEL_ORDER = {"minimal": 0, "partial": 1, "full": 2}
+UID_STRIDE = 4096  # uids reserved per server when uid_base is derived from the pid
 HANG_SLACK_S = 10.0  # a worker that has not answered this long after a call's deadline is hung
 
 
@@ -57,7 +58,10 @@ class ServerOptions:
     scratch_mb: int = 64
     pids_max: int = 64
     isolation: str = "auto"  # "auto" | "minimal" (rlimits only; for tests of the degraded path)
-    uid_base: int = 1_500_000  # slot uids from here; uid_base - 1 is the workers' root in their user namespace
+    # Slot uids start here; uid_base - 1 is the workers' root in their user namespace. None: a range
+    # derived from the server's pid, so that servers sharing a host do not share uids (RLIMIT_NPROC
+    # counts per uid).
+    uid_base: int | None = None
 
     def validate(self) -> None:
         checks = [("workers", self.workers >= 1), ("slots", self.slots >= 1),
@@ -66,7 +70,9 @@ class ServerOptions:
                   ("output_limit_bytes", 1 <= self.output_limit_bytes <= 16 << 20),
                   ("isolation", self.isolation in ("auto", "minimal")),
                   ("verify_timeout_s", 0 < self.verify_timeout_s <= self.max_timeout_s),
-                  ("scratch_mb", self.scratch_mb >= 1), ("pids_max", self.pids_max >= 4)]
+                  ("scratch_mb", self.scratch_mb >= 1), ("pids_max", self.pids_max >= 4),
+                  ("uid_base", self.uid_base is None or 1000 < self.uid_base < 2**31 - 2 * self.workers * self.slots),
+                  ("slots", self.uid_base is not None or 2 * self.workers * self.slots < UID_STRIDE)]
         bad = [name for name, ok in checks if not ok]
         if bad:
             raise ValueError(f"invalid server options: {', '.join(f'{b}={getattr(self, b)!r}' for b in bad)}")
@@ -233,6 +239,8 @@ class Pool:
     """Workers of both flavours, a priority queue per flavour, and bounded admission."""
 
     def __init__(self, options: ServerOptions):
+        if options.uid_base is None:
+            options = dataclasses.replace(options, uid_base=100_000_000 + (os.getpid() % 400_000) * UID_STRIDE)
         self.options = options
         self.instance = f"{os.getpid()}-{secrets.token_hex(3)}"
         self.workers = {f: [WorkerHandle(self, f, i) for i in range(options.workers)] for f in ("lean", "sci")}
@@ -478,8 +486,9 @@ async def serve(options: ServerOptions, *, port_file: str | None = None, parent_
         await pool.stop()
         raise RuntimeError(f"could not bind {options.host}:{options.port}")
     await server.start()
-    log.info("sandbox serving on %s:%d: %d workers x %d slots per flavour (lean, sci), capacity %d, queue %d",
-             options.host, port, options.workers, options.slots, pool.capacity, options.max_queue)
+    log.info("sandbox serving on %s:%d: %d workers x %d slots per flavour (lean, sci), capacity %d, queue %d, "
+             "slot uids from %d", options.host, port, options.workers, options.slots, pool.capacity,
+             options.max_queue, pool.options.uid_base)
     if port_file:
         tmp = f"{port_file}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
