@@ -91,6 +91,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.response_budget = 8192  # spec §5.3: 8K stage 1; model and tool tokens share it
     c.rollout.max_prompt_length = 2048  # spec §5.3: CODE run script
     c.rollout.tool_name = "python_code_with_standard_io"  # spec §2.2: the release's tool name
+    # "rstar2": the release's system prompt, tools block and user prefix character for character
+    # (spec §2.1-2.2); "compact": the same tags and tool-call format in a ~190-character prompt.
+    c.rollout.template = "rstar2"
     c.rollout.observation_style = "release"  # "release" | "paper" (spec §2.3)
     # spec §6.9: the original truncation length is unspecified; this bound is our choice.
     c.rollout.observation_max_chars = 4096
@@ -159,6 +162,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.metrics.tensorboard = True
     c.metrics.jsonl = True
     c.metrics.progress_bar = True
+    # Every trajectory of every step as JSON lines in <run_dir>/rollouts/ (token ids, text, tool
+    # statuses, reward): what the analysis notebooks read.
+    c.metrics.save_rollouts = True
 
     c.eval = ml_collections.ConfigDict()
     c.eval.files = ()

@@ -19,6 +19,8 @@ from typing import Any
 
 import ml_collections
 
+from rstar_jax.agent.template import TEMPLATE_STYLES
+
 REPO_CONFIGS = pathlib.Path(__file__).resolve().parents[1] / "configs"
 DEFAULT_CONFIG = REPO_CONFIGS / "tiny.py"
 BASE_CONFIG = REPO_CONFIGS / "base.py"
@@ -302,6 +304,7 @@ def validate(config: ml_collections.ConfigDict, *, check_files: bool = True) -> 
     servers = _strings(config, "rollout.servers")
     _enum(config, "rollout.scheduler", SCHEDULERS)
     _enum(config, "rollout.observation_style", OBSERVATION_STYLES)
+    _enum(config, "rollout.template", TEMPLATE_STYLES)
     for field in ("rollouts_per_prompt", "max_turns", "response_budget", "max_prompt_length",
                   "observation_max_chars", "max_tool_calls_per_turn", "max_concurrency", "engine.slots",
                   "engine.max_length"):

@@ -75,21 +75,50 @@ def tool_json(schema: dict) -> str:
     return json.dumps(schema, ensure_ascii=False)
 
 
+# The same protocol (tags, tool-call JSON, answer format) in ~190 characters instead of ~2.3K: for
+# byte-level tiny models, where every character of the prompt is a token of every sequence.
+COMPACT_SYSTEM_PROMPT = (
+    "Think in <reason> </reason>, then give <answer> \\boxed{{}} </answer>. To run Python, write "
+    '<tool_call>\n{{"name": "{tool}", "arguments": {{"code": "...", "input": ""}}}}\n</tool_call>'
+)
+
+TEMPLATE_STYLES = ("rstar2", "compact")
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatTemplate:
+    """The chat protocol. Default: the release's strings exactly; `ChatTemplate.compact()` for tiny runs."""
+
     tool_name: str = DEFAULT_TOOL_NAME
     system_prompt: str = SYSTEM_PROMPT
+    tools_block: bool = True  # the Hermes-style <tools> schema block after the system prompt
+    user_prefix: str = USER_PREFIX
+
+    @classmethod
+    def compact(cls, tool_name: str = DEFAULT_TOOL_NAME) -> "ChatTemplate":
+        return cls(tool_name=tool_name, system_prompt=COMPACT_SYSTEM_PROMPT.format(tool=tool_name),
+                   tools_block=False, user_prefix="")
+
+    @classmethod
+    def from_style(cls, style: str, tool_name: str = DEFAULT_TOOL_NAME) -> "ChatTemplate":
+        if style == "rstar2":
+            return cls(tool_name=tool_name)
+        if style == "compact":
+            return cls.compact(tool_name)
+        raise ValueError(f"unknown chat template style {style!r}; expected one of {TEMPLATE_STYLES}")
 
     @property
     def tools(self) -> list[dict]:
         return [python_tool_schema(self.tool_name)]
 
     def system_text(self) -> str:
+        if not self.tools_block:
+            return f"{IM_START}system\n{self.system_prompt}{IM_END}\n"
         tools = "".join("\n" + tool_json(t) for t in self.tools)
         return f"{IM_START}system\n{self.system_prompt}{TOOLS_HEADER}{tools}{TOOLS_FOOTER}{IM_END}\n"
 
     def user_text(self, question: str) -> str:
-        return f"{IM_START}user\n{USER_PREFIX}{question}{IM_END}\n"
+        return f"{IM_START}user\n{self.user_prefix}{question}{IM_END}\n"
 
     def render_prompt(self, question: str) -> str:
         """The whole prompt text, ending in the forced `<|im_start|>assistant\\n<reason>`."""

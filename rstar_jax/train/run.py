@@ -25,12 +25,13 @@ from rstar_jax.agent.tool_calls import format_observation
 from rstar_jax.config import check_mesh, model_config
 from rstar_jax.data.datasets import prompt_iterator_from_config, read_conversations
 from rstar_jax.data.synthetic import prepare_synthetic_data
-from rstar_jax.model.hf import load_pretrained
+from rstar_jax.model.hf import load_pretrained, save_pretrained
 from rstar_jax.parallel import create_sharded_model, make_mesh
 from rstar_jax.rl.loss import LossConfig
 from rstar_jax.rl.roc import RocConfig
 from rstar_jax.rollout.engine import JaxEngine
 from rstar_jax.rollout.loop import LoopConfig
+from rstar_jax.rollout.records import rollout_path, trajectory_record, write_records
 from rstar_jax.train.checkpoint import Checkpointer
 from rstar_jax.train.metrics import MetricsWriter, ProgressBar, rl_step_stats
 from rstar_jax.train.rl_batch import BatchConfig, row_length_for
@@ -100,7 +101,7 @@ def run_stage(config) -> dict:
     run_dir = pathlib.Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(config.tokenizer.kind, config.tokenizer.path or config.model.hf_path or None)
-    template = ChatTemplate(tool_name=config.rollout.tool_name)
+    template = ChatTemplate.from_style(config.rollout.template, config.rollout.tool_name)
     train_files = tuple(config.data.train_files)
     sft_file = config.sft.train_files[0] if config.sft.train_files else None
     if config.data.synthetic.enabled:
@@ -131,7 +132,7 @@ def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWrit
         total_steps=config.train.steps, b1=config.optim.b1, b2=config.optim.b2,
         weight_decay=config.optim.weight_decay, grad_clip=config.optim.grad_clip))
     iterator, report = prompt_iterator_from_config(config, train_files)
-    checkpointer = Checkpointer.from_config(config)
+    checkpointer = Checkpointer.from_config(config, export_hf=lambda _, path: save_pretrained(model, path))
     start = 0
     if checkpointer.latest_step() is not None:
         restored = checkpointer.restore(model=model, optimizer=optimizer,
@@ -176,6 +177,11 @@ def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWrit
                 prompts = [(ex.question, ex.answer) for ex in next(iterator)]
                 step_metrics, trajectories = await trainer.astep(prompts)
                 step_metrics.update({f"rollout/{k}": v for k, v in rl_step_stats(trajectories).items()})
+                if config.metrics.save_rollouts:
+                    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+                    write_records(rollout_path(config.run_dir, step + 1),
+                                  (trajectory_record(t, decode, step=step + 1, stage=config.stage)
+                                   for t in trajectories))
                 step_metrics["lr"] = float(lr_schedule(opt_config)(step))
                 last = metrics.write(step + 1, step_metrics)
                 checkpointer.save(step + 1, model=model, optimizer=optimizer, data_state=iterator.get_state(),
