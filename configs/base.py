@@ -94,6 +94,9 @@ def get_config() -> ml_collections.ConfigDict:
     # "rstar2": the release's system prompt, tools block and user prefix character for character
     # (spec §2.1-2.2); "compact": the same tags and tool-call format in a ~190-character prompt.
     c.rollout.template = "rstar2"
+    # Per-trajectory sampling seeds derived from (seed, group, sample) — SGLang's `sampling_seed`:
+    # a trajectory's draws do not depend on batching or timing, so runs repeat and resume exactly.
+    c.rollout.seeded_sampling = True
     c.rollout.observation_style = "release"  # "release" | "paper" (spec §2.3)
     # spec §6.9: the original truncation length is unspecified; this bound is our choice.
     c.rollout.observation_max_chars = 4096
@@ -142,6 +145,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.batch_size = 128
     c.sft.max_length = 8192  # spec §5.1: not given in the paper; our choice
     c.sft.pack = True
+    c.sft.micro_batch_tokens = 20480  # tokens per micro-batch (gradient accumulation); our choice
     c.sft.before_rl = False  # run this SFT first, then RL from its result (tiny runs)
 
     c.sandbox = ml_collections.ConfigDict()
@@ -157,6 +161,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.checkpoint.max_to_keep = 3
     c.checkpoint.async_save = True
     c.checkpoint.export_hf_every = 0  # 0 = never; else every N steps (weights for SGLang servers)
+    c.checkpoint.export_hf_final = True  # <run_dir>/hf/final at the end of the stage: the next stage's hf_path
 
     c.metrics = ml_collections.ConfigDict()
     c.metrics.tensorboard = True

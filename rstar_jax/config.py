@@ -342,6 +342,7 @@ def validate(config: ml_collections.ConfigDict, *, check_files: bool = True) -> 
     _range(config, "rl.entropy_coef", 0.0, None)
     _positive_int(config, "rl.logprob_chunk_size")
     _positive_int(config, "rl.micro_batch_tokens")
+    _positive_int(config, "sft.micro_batch_tokens")
     _require(config.rl.micro_batch_tokens >= sequence, "rl.micro_batch_tokens",
              f"must be >= rollout.max_prompt_length + rollout.response_budget = {sequence} (one whole "
              f"trajectory per micro-batch at least), got {config.rl.micro_batch_tokens}")

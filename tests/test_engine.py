@@ -86,6 +86,32 @@ def test_continuous_batching_equals_each_alone(model, engine):
         assert r.token_ids == tokens
 
 
+def test_seeded_sampling_is_independent_of_batching_and_engine_seed(model, engine):
+    """A seeded request (SGLang's sampling_seed) draws the same tokens alone, batched with others, on
+    another engine with a different engine seed, and when continued as a second turn."""
+    prompt = _prompt(12, 21)
+    seeded = SamplingParams(max_new_tokens=12, temperature=1.0, seed=1234)
+    alone = asyncio.run(engine.generate(prompt, seeded))
+
+    async def crowded():
+        others = [engine.generate(_prompt(n, n), SamplingParams(max_new_tokens=9, temperature=1.0)) for n in (7, 20)]
+        results = await asyncio.gather(*others, engine.generate(prompt, seeded))
+        return results[-1]
+
+    assert asyncio.run(crowded()).token_ids == alone.token_ids
+    other_engine = JaxEngine(model, slots=3, max_length=96, prefill_buckets=(16, 32), seed=99)
+    try:
+        assert asyncio.run(other_engine.generate(prompt, seeded)).token_ids == alone.token_ids
+        # Turn two: the first 5 tokens fed back as context continue with the same draws.
+        resumed = asyncio.run(other_engine.generate(prompt + alone.token_ids[:5],
+                                                    SamplingParams(max_new_tokens=7, temperature=1.0, seed=1234)))
+        assert resumed.token_ids == alone.token_ids[5:]
+    finally:
+        other_engine.close()
+    different = asyncio.run(engine.generate(prompt, SamplingParams(max_new_tokens=12, temperature=1.0, seed=1235)))
+    assert different.token_ids != alone.token_ids
+
+
 def test_stop_tokens_and_context_limit(model, engine):
     prompt = _prompt(8, 3)
     tokens, _ = _reference(model, prompt, 5)

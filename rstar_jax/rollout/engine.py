@@ -38,7 +38,7 @@ from flax import nnx
 
 from rstar_jax.model.qwen3 import KVCache, Qwen3
 from rstar_jax.rollout.protocol import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Capacity, GenerateResult, SamplingParams
-from rstar_jax.rollout.sampling import sample_tokens
+from rstar_jax.rollout.sampling import row_keys, sample_tokens
 
 MAX_STOP_IDS = 8
 
@@ -65,6 +65,11 @@ class _Request:
     logprobs: list[float] = dataclasses.field(default_factory=list)
     aborted: bool = False
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
+
+
+def _row_seed(sampling: SamplingParams) -> int:
+    # SGLang's `sampling_seed`; -1 marks an unseeded row. Folded into int32's non-negative range.
+    return -1 if sampling.seed is None else int(sampling.seed) % (2**31 - 1)
 
 
 class JaxEngine:
@@ -107,7 +112,7 @@ class JaxEngine:
         self._thread.start()
 
     # -- jitted kernels -----------------------------------------------------------------------
-    def _prefill_fn(self, state, cache: KVCache, slot, ids, length, key, temperature, top_p, top_k):
+    def _prefill_fn(self, state, cache: KVCache, slot, ids, length, key, seed, temperature, top_p, top_k):
         model = nnx.merge(self._graphdef, state)
         row = KVCache(k=jax.lax.dynamic_slice_in_dim(cache.k, slot, 1, axis=1),
                       v=jax.lax.dynamic_slice_in_dim(cache.v, slot, 1, axis=1))
@@ -116,15 +121,18 @@ class JaxEngine:
         cache = KVCache(k=jax.lax.dynamic_update_slice_in_dim(cache.k, row.k, slot, axis=1),
                         v=jax.lax.dynamic_update_slice_in_dim(cache.v, row.v, slot, axis=1))
         last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, axis=0, keepdims=True)  # [1, V]
-        token, logprob = sample_tokens(last, key, temperature[None], top_p[None], top_k[None],
+        # The first sampled token sits at absolute position `length`.
+        keys = row_keys(key, seed[None], length[None])
+        token, logprob = sample_tokens(last, keys, temperature[None], top_p[None], top_k[None],
                                        original=self._original_logprobs)
         return cache, token[0], logprob[0]
 
-    def _decode_fn(self, state, cache: KVCache, tokens, positions, key, temperature, top_p, top_k):
+    def _decode_fn(self, state, cache: KVCache, tokens, positions, key, seeds, temperature, top_p, top_k):
         model = nnx.merge(self._graphdef, state)
         logits, cache = model.forward_with_cache(tokens[:, None], positions[:, None], cache)
         logits = logits[:, 0]
-        next_tokens, logprobs = sample_tokens(logits, key, temperature, top_p, top_k,
+        keys = row_keys(key, seeds, positions + 1)  # the sampled token's absolute position
+        next_tokens, logprobs = sample_tokens(logits, keys, temperature, top_p, top_k,
                                               original=self._original_logprobs)
         return cache, next_tokens, logprobs
 
@@ -319,7 +327,7 @@ class JaxEngine:
             s = request.sampling
             self._cache, token, logprob = self._prefill(
                 self._state, self._cache, jnp.int32(slot), jnp.asarray(ids), jnp.int32(n), self._next_key(),
-                jnp.float32(s.temperature), jnp.float32(s.top_p), jnp.int32(s.top_k))
+                jnp.int32(_row_seed(s)), jnp.float32(s.temperature), jnp.float32(s.top_p), jnp.int32(s.top_k))
             self._active[slot] = request
             self._positions[slot] = n
             request.tokens.append(int(token))
@@ -334,14 +342,15 @@ class JaxEngine:
         temperature = np.ones(self.slots, np.float32)
         top_p = np.ones(self.slots, np.float32)
         top_k = np.zeros(self.slots, np.int32)
+        seeds = np.full(self.slots, -1, np.int32)
         positions = np.full(self.slots, self.max_length, np.int32)  # idle slots: writes are dropped
         for i in active:
             s = self._active[i].sampling
-            temperature[i], top_p[i], top_k[i] = s.temperature, s.top_p, s.top_k
+            temperature[i], top_p[i], top_k[i], seeds[i] = s.temperature, s.top_p, s.top_k, _row_seed(s)
             positions[i] = self._positions[i]
         self._cache, tokens, logprobs = self._decode(
             self._state, self._cache, jnp.asarray(self._last_token), jnp.asarray(positions), self._next_key(),
-            jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k))
+            jnp.asarray(seeds), jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k))
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         for i in active:
             request = self._active[i]

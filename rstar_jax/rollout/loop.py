@@ -16,6 +16,8 @@ import itertools
 import logging
 from typing import Any, Awaitable, Callable, Protocol
 
+import numpy as np
+
 from rstar_jax.agent.stats import PARSE_ERROR, count_answer_tags, is_tool_error
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
@@ -58,6 +60,10 @@ class LoopConfig:
     tool_timeout_s: float | None = None  # None: the sandbox's default
     reward_mode: str = "local"  # local process pool or the sandbox's Verify RPC
     verify_timeout_s: float = 10.0
+    # Seeded sampling: each trajectory draws from a seed derived from (seed, group_id, sample_index),
+    # so its tokens do not depend on batching or timing (reproducible runs, exact resume).
+    # None: the generator's own random stream.
+    seed: int | None = None
 
     def __post_init__(self):
         if self.observation_style not in OBSERVATION_STYLES:
@@ -74,6 +80,11 @@ class LoopConfig:
 
 
 _rid_counter = itertools.count()
+
+
+def trajectory_seed(seed: int, group_id: int, sample_index: int) -> int:
+    """A well-mixed 31-bit sampling seed for one trajectory (stable across runs and processes)."""
+    return int(np.random.SeedSequence([seed, group_id, sample_index]).generate_state(1)[0]) % (2**31 - 1)
 
 
 def _new_rid() -> str:
@@ -129,6 +140,7 @@ async def run_trajectory(
     traj = Trajectory(prompt_ids=prompt_ids, group_id=group_id, sample_index=sample_index, question=question,
                       gold_answer=gold_answer)
     rid = _new_rid()
+    seed = None if config.seed is None else trajectory_seed(config.seed, group_id, sample_index)
     if scheduler is not None:
         lease = scheduler.lease(rid, len(prompt_ids) + config.response_budget)
     else:
@@ -141,7 +153,7 @@ async def run_trajectory(
         while True:
             remaining = config.response_budget - len(traj.response_ids)
             sampling = SamplingParams(max_new_tokens=remaining, temperature=config.temperature, top_p=config.top_p,
-                                      top_k=config.top_k, stop_token_ids=(tokenizer.eos_id,))
+                                      top_k=config.top_k, stop_token_ids=(tokenizer.eos_id,), seed=seed)
             result = await _generate(gen, prompt_ids + traj.response_ids, sampling, rid)
             traj.response_ids += list(result.token_ids)
             traj.loss_mask += [1] * len(result.token_ids)

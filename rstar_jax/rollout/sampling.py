@@ -23,10 +23,24 @@ import jax.numpy as jnp
 GREEDY_TEMPERATURE = 1e-6
 
 
+def row_keys(step_key: jax.Array, seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """Per-row sampling keys [B]: seeded rows (seeds >= 0) draw from key(seed) folded with the
+    token's absolute position, so a seeded request samples the same tokens whatever it is batched
+    with and across engine restarts; unseeded rows (seeds < 0) split the engine's key stream."""
+    def one(row, seed, position):
+        seeded = jax.random.fold_in(jax.random.key(jnp.maximum(seed, 0)), position)
+        return jax.lax.cond(seed >= 0, lambda: seeded, lambda: jax.random.fold_in(step_key, row))
+
+    rows = jnp.arange(seeds.shape[0], dtype=jnp.int32)
+    return jax.vmap(one)(rows, seeds, positions)
+
+
 def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array,
                   top_k: jax.Array, *, original: bool = False) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row of logits [B, V]; temperature, top_p, top_k are [B] arrays.
 
+    key: one key for the whole batch, or a [B] array of keys (one per row: a row's draw then depends
+    only on its own key, not on which other requests share the batch).
     Returns (token ids [B] int32, log-probs [B] float32) as described in the module docstring.
     """
     logits = logits.astype(jnp.float32)
@@ -40,7 +54,11 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array, top
     probs = jax.nn.softmax(sorted_logits, axis=-1)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep = (ranks < k) & (mass_before < top_p[:, None])
-    choice = jax.random.categorical(key, jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    if key.ndim == 1:
+        choice = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, masked)
+    else:
+        choice = jax.random.categorical(key, masked, axis=-1)
     sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
     tokens = jnp.where(greedy, order[:, 0], sampled).astype(jnp.int32)
     reference = logits if original else scaled

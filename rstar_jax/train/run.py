@@ -64,13 +64,19 @@ def _observation_formatter(config):
                                              max_chars=config.rollout.observation_max_chars)
 
 
-def run_sft(config, model, tokenizer, template, conversations_file, metrics: MetricsWriter) -> dict:
-    """The SFT stage (or the RL run's warm-up): assistant-token NLL, packed, cosine schedule."""
+def run_sft(config, model, tokenizer, template, conversations_file, metrics: MetricsWriter,
+            checkpointer: Checkpointer | None = None) -> dict:
+    """The SFT stage (or the RL run's warm-up): assistant-token NLL, packed, cosine schedule.
+
+    With a checkpointer (the `sft` mode) it saves every `checkpoint.every_steps` steps and at the
+    end, and resumes from the latest save: the batch order is a function of (seed, epoch), so the
+    resumed run skips exactly the steps already taken.
+    """
     c = config.sft
     conversations = read_conversations(conversations_file)
     sequences = sft_sequences(template, tokenizer, conversations, c.max_length)
     row_length = row_length_for(c.max_length, 1)
-    rows = max(1, config.rl.micro_batch_tokens // row_length)
+    rows = max(1, c.micro_batch_tokens // row_length)
     batches = SftBatches(sequences, conversations_per_step=min(c.batch_size, len(sequences)), rows=rows,
                          row_length=row_length, seed=config.seed)
     total = c.epochs * batches.steps_per_epoch()
@@ -79,17 +85,26 @@ def run_sft(config, model, tokenizer, template, conversations_file, metrics: Met
     optimizer = make_optimizer(model, OptimizerConfig(
         lr=c.lr, warmup_steps=warmup, schedule=schedule, total_steps=total, b1=config.optim.b1,
         b2=config.optim.b2, weight_decay=config.optim.weight_decay, grad_clip=config.optim.grad_clip))
+    start = 0
+    if checkpointer is not None and checkpointer.latest_step() is not None:
+        start = checkpointer.restore(model=model, optimizer=optimizer).step
+        print(f"[sft] resumed from step {start}", flush=True)
     bar = ProgressBar(total, desc="sft") if config.metrics.progress_bar else None
     step = 0
     last = {}
     for epoch in range(c.epochs):
         for batch in batches.epoch(epoch):
+            step += 1
+            if step <= start:
+                continue
             t0 = time.perf_counter()
             out = jax.device_get(sft_step(model, optimizer, as_device_batch(batch), config.rl.logprob_chunk_size))
-            step += 1
             last = {"sft/loss": float(out["loss"]), "sft/tokens": float(out["tokens"]),
                     "sft/grad_norm": float(out["grad_norm"]), "time/sft_step_s": time.perf_counter() - t0}
             metrics.write(step, last)
+            if checkpointer is not None:
+                checkpointer.save(step, model=model, optimizer=optimizer, data_state={"sft_step": step},
+                                  stage=config.stage, config=config.to_dict(), force=step == total)
             if bar:
                 bar.update(step, loss=f"{last['sft/loss']:.3f}")
     if bar:
@@ -109,20 +124,30 @@ def run_stage(config) -> dict:
         train_files, sft_file = (str(files.train),), str(files.sft)
     model, _ = build_policy(config)
     metrics = MetricsWriter.from_config(config)
+    checkpointer = Checkpointer.from_config(config, export_hf=lambda _, path: save_pretrained(model, path))
     summary: dict = {}
     try:
-        if config.mode == "sft" or config.sft.before_rl:
+        # A resumed RL run restores the policy from its checkpoint: the warm-up already happened.
+        warm_up = config.mode == "rl" and config.sft.before_rl and checkpointer.latest_step() is None
+        if config.mode == "sft" or warm_up:
             if sft_file is None:
                 raise ValueError("config.sft.train_files: the SFT stage needs a conversations file")
-            summary.update(run_sft(config, model, tokenizer, template, sft_file, metrics))
+            summary.update(run_sft(config, model, tokenizer, template, sft_file, metrics,
+                                   checkpointer if config.mode == "sft" else None))
         if config.mode == "rl":
-            summary.update(run_rl(config, model, tokenizer, template, train_files, metrics))
+            summary.update(run_rl(config, model, tokenizer, template, train_files, metrics, checkpointer))
+        if config.checkpoint.export_hf_final:
+            # The next stage starts from here: `--config.model.hf_path=<run_dir>/hf/final`.
+            save_pretrained(model, run_dir / "hf" / "final")
     finally:
+        checkpointer.wait()
+        checkpointer.close()
         metrics.close()
     return summary
 
 
-def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWriter) -> dict:
+def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWriter,
+           checkpointer: Checkpointer) -> dict:
     from sandbox_service.client import SandboxClient
     from sandbox_service.launcher import LocalSandbox
 
@@ -132,7 +157,6 @@ def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWrit
         total_steps=config.train.steps, b1=config.optim.b1, b2=config.optim.b2,
         weight_decay=config.optim.weight_decay, grad_clip=config.optim.grad_clip))
     iterator, report = prompt_iterator_from_config(config, train_files)
-    checkpointer = Checkpointer.from_config(config, export_hf=lambda _, path: save_pretrained(model, path))
     start = 0
     if checkpointer.latest_step() is not None:
         restored = checkpointer.restore(model=model, optimizer=optimizer,
@@ -148,7 +172,8 @@ def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWrit
                         top_p=r.top_p, top_k=r.top_k, tool_name=r.tool_name,
                         max_calls_per_turn=r.max_tool_calls_per_turn, observation_style=r.observation_style,
                         observation_max_chars=r.observation_max_chars, tool_timeout_s=config.sandbox.timeout_s,
-                        reward_mode="local" if config.sandbox.verify_via == "local" else "sandbox"),
+                        reward_mode="local" if config.sandbox.verify_via == "local" else "sandbox",
+                        seed=config.seed if r.seeded_sampling else None),
         roc=RocConfig(group_size=rl.group_size, variant=rl.roc_variant, epsilon=rl.roc_epsilon,
                       min_per_class=rl.roc_min_per_class, seed=config.seed),
         loss=LossConfig(clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip,
@@ -175,7 +200,7 @@ def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWrit
         try:
             for step in range(start, config.train.steps):
                 prompts = [(ex.question, ex.answer) for ex in next(iterator)]
-                step_metrics, trajectories = await trainer.astep(prompts)
+                step_metrics, trajectories = await trainer.astep(prompts, step=step)
                 step_metrics.update({f"rollout/{k}": v for k, v in rl_step_stats(trajectories).items()})
                 if config.metrics.save_rollouts:
                     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
@@ -204,6 +229,4 @@ def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWrit
         with sandbox as local:
             return asyncio.run(loop([local.target] if local is not None else list(config.sandbox.targets)))
     finally:
-        checkpointer.wait()
-        checkpointer.close()
         engine.close()

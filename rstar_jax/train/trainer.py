@@ -63,8 +63,12 @@ class RLTrainer:
         self.sync_weights = sync_weights or (lambda m: engine.update_weights(m) if engine is not None else None)
         self._next_group = 0
 
-    async def rollout(self, prompts: list[tuple[str, str]]) -> list[Trajectory]:
+    async def rollout(self, prompts: list[tuple[str, str]], *, first_group_id: int | None = None) -> list[Trajectory]:
+        """2G trajectories per prompt. Group ids continue from the previous call unless given (a
+        resumed run passes step * prompts_per_step, so seeded sampling repeats the same draws)."""
         s = self.settings
+        if first_group_id is not None:
+            self._next_group = first_group_id
 
         async def one(question, gold, group_id, index):
             return await run_trajectory(self.engine, self.tokenizer, self.executor, question, gold, config=s.loop,
@@ -76,12 +80,18 @@ class RLTrainer:
         self._next_group += len(prompts)
         return trajectories
 
-    def update(self, trajectories: list[Trajectory]) -> dict:
-        """RoC, advantages, the jitted update and the weight sync; returns this step's metrics."""
+    def update(self, trajectories: list[Trajectory], *, step: int | None = None) -> dict:
+        """RoC, advantages, the jitted update and the weight sync; returns this step's metrics.
+
+        step: RoC's random choice is seeded with (roc.seed, step), so each step draws afresh and a
+        resumed run draws exactly as the uninterrupted one did."""
         s = self.settings
         t0 = time.perf_counter()
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-        prepared = prepare_batch(trajectories, s.roc, s.batch, decode=decode)
+        roc = s.roc
+        if step is not None:
+            roc = dataclasses.replace(roc, seed=int(np.random.SeedSequence([roc.seed, step]).generate_state(1)[0]))
+        prepared = prepare_batch(trajectories, roc, s.batch, decode=decode)
         metrics: dict[str, Any] = dict(prepared.roc.stats())
         if prepared.skipped:
             metrics["update/skipped"] = 1
@@ -103,15 +113,19 @@ class RLTrainer:
         metrics["time/weight_sync_s"] = time.perf_counter() - t1
         return metrics
 
-    def step(self, prompts: list[tuple[str, str]]) -> tuple[dict, list[Trajectory]]:
-        return asyncio.run(self.astep(prompts))
+    def step(self, prompts: list[tuple[str, str]], *, step: int | None = None) -> tuple[dict, list[Trajectory]]:
+        return asyncio.run(self.astep(prompts, step=step))
 
-    async def astep(self, prompts: list[tuple[str, str]]) -> tuple[dict, list[Trajectory]]:
-        """One RL step inside a running event loop (clients bound to the loop stay usable)."""
+    async def astep(self, prompts: list[tuple[str, str]], *, step: int | None = None) -> tuple[dict, list[Trajectory]]:
+        """One RL step inside a running event loop (clients bound to the loop stay usable).
+
+        step (0-based): when given, group ids and RoC's draw derive from it, which makes a step
+        reproducible from its number alone (exact resume)."""
         t0 = time.perf_counter()
-        trajectories = await self.rollout(prompts)
+        first_group = None if step is None else step * len(prompts)
+        trajectories = await self.rollout(prompts, first_group_id=first_group)
         rollout_s = time.perf_counter() - t0
-        metrics = self.update(trajectories)
+        metrics = self.update(trajectories, step=step)
         rewards = np.asarray([t.reward for t in trajectories])
         metrics.update({
             "rollout/reward_mean": float(rewards.mean()),
