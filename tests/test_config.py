@@ -97,11 +97,12 @@ def test_mesh_rules_match_the_parallel_module():
 def test_tiny_config_describes_a_tiny_model():
     config = _load("tiny")
     model = model_config(config)
-    assert model.num_layers == 2 and model.max_position_embeddings == 4096
+    assert model.num_layers == 2 and model.max_position_embeddings == 1024
+    assert config.mode == "rl" and config.rollout.template == "compact"
     assert config.tokenizer.kind == "byte" and config.data.synthetic.enabled and config.sft.before_rl
     assert config.sandbox.launch_local and config.rollout.backend == "jax"
     # The RL run it describes needs no input files: everything is synthetic.
-    validate(_load("tiny", "mode=rl"))
+    validate(config)
     with pytest.raises(ConfigError, match="config.demo.new_tokens: must be a positive integer, got 0"):
         validate(_load("tiny", "demo.new_tokens=0"))
 
