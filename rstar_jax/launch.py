@@ -9,7 +9,7 @@ import pathlib
 import sys
 import time
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from rstar_jax.config import DEFAULT_CONFIG, ConfigError, validate
@@ -87,6 +87,8 @@ def maybe_initialize_distributed() -> None:
 def main(argv) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    if not flags.FLAGS["verbosity"].present:
+        logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
     try:
         config = validate(_CONFIG.value)
     except ConfigError as e:

@@ -46,3 +46,39 @@ def shared_dir() -> pathlib.Path:
     if not SHARED_DIR.is_dir():
         pytest.skip("../shared is not present in this checkout")
     return SHARED_DIR
+
+
+# The embedded default run (configs/tiny.py: SFT warm-up, then GRPO-RoC against a local sandbox
+# and the JaxEngine), shortened to keep CI fast: two SFT epochs (enough for well-formed tool calls)
+# and three RL steps. Run once per session as users run it (a subprocess on one CPU device) and
+# shared by the launcher, SFT and notebook tests.
+TINY_RUN_OVERRIDES = ("--config.sft.epochs=2", "--config.train.steps=3", "--config.checkpoint.every_steps=1",
+                      "--config.checkpoint.export_hf_every=3")
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    import subprocess
+    import sys
+    import time
+    import types
+
+    reuse = os.environ.get("RSTAR_JAX_TEST_TINY_RUN")  # a finished run's directory: skips the run (local iteration)
+    if reuse:
+        return types.SimpleNamespace(run_dir=pathlib.Path(reuse), stdout="", stderr="", seconds=0.0)
+    work = tmp_path_factory.mktemp("tiny_run")
+    run_dir = work / "run"
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "").strip()
+    t0 = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "rstar_jax.launch", f"--config.run_dir={run_dir}",
+                             *TINY_RUN_OVERRIDES], cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    if result.returncode != 0:
+        raise RuntimeError(f"the tiny run failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
+    return types.SimpleNamespace(run_dir=run_dir, stdout=result.stdout, stderr=result.stderr,
+                                 seconds=time.perf_counter() - t0)
+
+
+@pytest.fixture(scope="session")
+def tiny_run_dir(tiny_run) -> pathlib.Path:
+    return tiny_run.run_dir

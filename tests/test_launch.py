@@ -11,13 +11,45 @@ def _launch(*args, cwd):
                           capture_output=True, text=True, timeout=600)
 
 
-def test_default_config_runs_end_to_end(tmp_path):
-    result = _launch(f"--config.run_dir={tmp_path / 'run'}", cwd=tmp_path)
+def test_default_run_warms_up_with_sft_then_trains_with_grpo_roc(tiny_run):
+    """The README's main command (configs/tiny.py, shortened by TINY_RUN_OVERRIDES): SFT warm-up, RL
+    steps against the local sandbox server and the JaxEngine, progress, metrics, rollouts,
+    checkpoints and Hugging Face exports in the run directory."""
+    import json
+
+    from rstar_jax.rollout.records import iter_rollouts
+
+    run = tiny_run.run_dir
+    assert "[rl] done" in tiny_run.stdout
+    assert "[sft] " in tiny_run.stderr + tiny_run.stdout and "[rl] 3/3" in tiny_run.stderr + tiny_run.stdout
+    assert "sandbox serving on 127.0.0.1" in tiny_run.stderr and "sandbox stopped" in tiny_run.stderr
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    sft = [r for r in lines if "sft/loss" in r]
+    rl = [r for r in lines if "rollout/reward_mean" in r]
+    assert len(sft) == 2 * (512 // 4) and [r["step"] for r in rl] == [1, 2, 3]
+    assert sft[-1]["sft/loss"] < 0.5 * sft[0]["sft/loss"]
+    for r in rl:
+        assert r["roc/groups_total"] == 4 and 0.0 <= r["rollout/tool_error_rate"] <= 1.0
+        assert r["rollout/response_length_max"] <= 448 and "time/rollout_s" in r and "lr" in r
+    records = list(iter_rollouts(run))
+    assert len(records) == 3 * 4 * 8 and {r["step"] for r in records} == {1, 2, 3}
+    # The warmed-up policy calls the tool: some trajectories ran code in the sandbox.
+    assert sum(r["n_tool_calls"] for r in records) > 0
+    for r in records:
+        assert len(r["response_ids"]) == len(r["loss_mask"]) == r["response_length"] <= 448
+        assert r["n_tool_calls"] == len(r["tool_statuses"])
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())[-1] == 3
+    for export in ("sft_warmup", "step_3", "final"):
+        assert (run / "hf" / export / "model.safetensors").exists(), export
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+
+
+def test_demo_mode_exports_reloads_and_decodes(tmp_path):
+    result = _launch("--config.mode=demo", f"--config.run_dir={tmp_path / 'run'}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "8 device(s), mesh {'data': 1, 'fsdp': 8, 'tensor': 1}" in result.stdout
     assert "bitwise" in result.stdout and "matches full-forward argmax" in result.stdout
     assert (tmp_path / "run" / "hf" / "model.safetensors").exists()
-    assert (tmp_path / "run" / "hf" / "config.json").exists()
 
 
 def test_invalid_override_is_rejected_before_work(tmp_path):
@@ -31,13 +63,14 @@ def test_invalid_override_is_rejected_before_work(tmp_path):
 
 
 def test_rl_mode_runs_two_steps_with_the_real_sandbox_and_engine(tmp_path):
-    """`--config.mode=rl` on the tiny config: a local sandbox server, the JaxEngine, two GRPO-RoC steps,
+    """The tiny config on 8 fake devices (sharded policy and engine): a local sandbox server, the JaxEngine, two GRPO-RoC steps,
     metrics and checkpoints (the SFT warm-up is left out to keep CI short)."""
     import json
 
     run = tmp_path / "rl"
-    result = _launch("--config.mode=rl", f"--config.run_dir={run}", "--config.sft.before_rl=False",
+    result = _launch(f"--config.run_dir={run}", "--config.sft.before_rl=False",
                      "--config.train.steps=2", "--config.rollout.response_budget=32",
+                     "--config.data.num_prompts_per_step=2",
                      "--config.checkpoint.every_steps=1", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[rl] done" in result.stdout

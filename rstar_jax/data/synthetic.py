@@ -122,6 +122,15 @@ def power_sum_mod(rng: random.Random, difficulty: int) -> Problem:
                    answer, code)
 
 
+def last_digit_power(rng: random.Random, difficulty: int) -> Problem:
+    # One-digit answers: a weak policy that guesses gets some right, so its rollout groups are mixed
+    # and RL has a signal from the first step (the tiny run's RL warm start).
+    base = rng.randint(2, 9 + 90 * (difficulty - 1))
+    exponent = rng.randint(100, 10 ** (2 + difficulty))
+    code = f"print(pow({base}, {exponent}, 10))"
+    return Problem("last_digit_power", f"What is the last digit of {base}^{exponent}?", pow(base, exponent, 10), code)
+
+
 GENERATORS: dict[str, Callable[[random.Random, int], Problem]] = {
     "digit_sum_power": digit_sum_power,
     "primes_in_range": primes_in_range,
@@ -130,6 +139,7 @@ GENERATORS: dict[str, Callable[[random.Random, int], Problem]] = {
     "fibonacci_mod": fibonacci_mod,
     "binomial_mod": binomial_mod,
     "power_sum_mod": power_sum_mod,
+    "last_digit_power": last_digit_power,
 }
 
 

@@ -119,16 +119,20 @@ class RocResult:
         return self.dropped_all_correct + self.dropped_all_wrong + self.dropped_too_small
 
     def stats(self) -> dict:
-        return {
+        """Step metrics; the penalty means appear only when defined (no NaN in logs)."""
+        stats = {
             "roc/groups_total": self.groups_total,
             "roc/groups_kept": self.groups_kept,
             "roc/dropped_all_correct": self.dropped_all_correct,
             "roc/dropped_all_wrong": self.dropped_all_wrong,
             "roc/dropped_too_small": self.dropped_too_small,
             "roc/rollouts_kept": int(len(self.kept_indices)),
-            "roc/kept_positive_penalty": self.kept_positive_penalty_mean,
-            "roc/discarded_positive_penalty": self.discarded_positive_penalty_mean,
         }
+        for name, value in (("roc/kept_positive_penalty", self.kept_positive_penalty_mean),
+                            ("roc/discarded_positive_penalty", self.discarded_positive_penalty_mean)):
+            if not np.isnan(value):
+                stats[name] = value
+        return stats
 
 
 def _release_counts(n: int, n_neg: int, n_pos: int, g: int, minimum: int) -> tuple[int, int]:

@@ -14,10 +14,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 import numpy as np
@@ -92,6 +93,30 @@ class MetricsWriter:
                 if isinstance(value, (int, float)) and not isinstance(value, bool):
                     self._tb.add_scalar(name, value, global_step=int(step))
         return record
+
+    def discard_after(self, step: int, *, where: Callable[[dict], bool] = lambda record: True) -> int:
+        """Drops the JSONL records with `step` > step that match `where` (a resumed run re-logs the
+        steps its killed predecessor logged after the last checkpoint); returns how many."""
+        if self._jsonl is None:
+            return 0
+        self._jsonl.flush()
+        lines = self.jsonl_path.read_text().splitlines()
+        kept = []
+        for line in lines:
+            if line.strip():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # a line torn by the kill
+                    continue
+                if record.get("step", 0) > step and where(record):
+                    continue
+            kept.append(line)
+        tmp = self.jsonl_path.with_name(self.jsonl_path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        self._jsonl.close()
+        os.replace(tmp, self.jsonl_path)
+        self._jsonl = open(self.jsonl_path, "a", buffering=1)
+        return len(lines) - len(kept)
 
     def flush(self) -> None:
         if self._jsonl is not None and not self._jsonl.closed:

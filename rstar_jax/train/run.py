@@ -88,6 +88,7 @@ def run_sft(config, model, tokenizer, template, conversations_file, metrics: Met
     start = 0
     if checkpointer is not None and checkpointer.latest_step() is not None:
         start = checkpointer.restore(model=model, optimizer=optimizer).step
+        metrics.discard_after(start, where=lambda record: "sft/loss" in record)
         print(f"[sft] resumed from step {start}", flush=True)
     bar = ProgressBar(total, desc="sft") if config.metrics.progress_bar else None
     step = 0
@@ -134,6 +135,8 @@ def run_stage(config) -> dict:
                 raise ValueError("config.sft.train_files: the SFT stage needs a conversations file")
             summary.update(run_sft(config, model, tokenizer, template, sft_file, metrics,
                                    checkpointer if config.mode == "sft" else None))
+            if warm_up and config.checkpoint.export_hf_final:
+                save_pretrained(model, run_dir / "hf" / "sft_warmup")  # the policy RL starts from
         if config.mode == "rl":
             summary.update(run_rl(config, model, tokenizer, template, train_files, metrics, checkpointer))
         if config.checkpoint.export_hf_final:
@@ -164,6 +167,7 @@ def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWrit
         start = restored.step
         if restored.data_state is not None:
             iterator.set_state(restored.data_state)
+        metrics.discard_after(start, where=lambda record: "rollout/reward_mean" in record)
         print(f"[rl] resumed from step {start}", flush=True)
     row_length = row_length_for(r.max_prompt_length, r.response_budget)
     settings = RLSettings(

@@ -1,0 +1,126 @@
+"""Exact resume: a run killed with SIGKILL and restarted ends bitwise where an uninterrupted run ends.
+
+Both runs are the launcher as users run it (subprocesses, one CPU device). The RL runs start from
+the tiny run's SFT warm-up export, whose rollout groups are mixed, so every step really updates the
+policy; sampling is seeded per trajectory, so the restarted run must repeat the same data order,
+the same trajectories and the same updates.
+"""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from rstar_jax.rollout.records import iter_rollouts
+from rstar_jax.train.metrics import read_metrics
+
+
+def _env():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "").strip()
+    return env
+
+
+def _command(run_dir, *overrides):
+    return [sys.executable, "-m", "rstar_jax.launch", f"--config.run_dir={run_dir}", "--config.metrics.progress_bar=false",
+            *overrides]
+
+
+def _run(run_dir, *overrides) -> subprocess.CompletedProcess:
+    result = subprocess.run(_command(run_dir, *overrides), cwd=run_dir.parent, env=_env(), capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def _kill_after_checkpoint(run_dir: pathlib.Path, step: int, *overrides) -> None:
+    """Starts the run, waits until checkpoint `step` is committed, then SIGKILLs the process."""
+    process = subprocess.Popen(_command(run_dir, *overrides), cwd=run_dir.parent, env=_env(),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    committed = run_dir / "checkpoints" / str(step)
+    deadline = time.monotonic() + 300
+    try:
+        while not committed.is_dir():
+            if process.poll() is not None:
+                raise AssertionError(f"run ended before checkpoint {step}: {process.stderr.read()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"checkpoint {step} never appeared")
+            time.sleep(0.05)
+    finally:
+        # The whole session: the launcher and the sandbox server it started.
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _weights(run_dir: pathlib.Path) -> dict[str, np.ndarray]:
+    return load_file(str(run_dir / "hf" / "final" / "model.safetensors"))
+
+
+def _assert_bitwise_equal(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert np.array_equal(a[name], b[name]), f"tensor {name} differs after resume"
+
+
+@pytest.fixture(scope="module")
+def warm_policy(tiny_run_dir) -> pathlib.Path:
+    return tiny_run_dir / "hf" / "sft_warmup"
+
+
+# From the warm policy, steps 1-2 keep no mixed group and steps 3-4 update: killing after the
+# step-3 checkpoint makes step 4 an update on restored parameters *and* Adam moments.
+RL = ("--config.sft.before_rl=false", "--config.train.steps=4", "--config.checkpoint.every_steps=1")
+
+
+def test_rl_run_killed_and_resumed_matches_the_uninterrupted_run_bitwise(tmp_path, warm_policy):
+    policy = f"--config.model.hf_path={warm_policy}"
+    straight, resumed = tmp_path / "straight" / "run", tmp_path / "resumed" / "run"
+    straight.parent.mkdir()
+    resumed.parent.mkdir()
+    _run(straight, policy, *RL)
+    _kill_after_checkpoint(resumed, 3, policy, *RL)
+    assert not (resumed / "hf" / "final").exists()
+    restart = _run(resumed, policy, *RL)
+    assert "[rl] resumed from step 3" in restart.stdout
+
+    _assert_bitwise_equal(_weights(straight), _weights(resumed))
+    # Same data order and the same trajectories, step by step (including the re-run steps).
+    a, b = list(iter_rollouts(straight)), list(iter_rollouts(resumed))
+    assert [(r["step"], r["question"], r["response_ids"]) for r in a] == \
+           [(r["step"], r["question"], r["response_ids"]) for r in b]
+    # The policy really changed, before and after the kill.
+    rl_lines = [m for m in read_metrics(straight) if "rollout/reward_mean" in m]
+    assert [m["update/skipped"] for m in rl_lines][2:] == [0, 0]
+    warm = load_file(str(warm_policy / "model.safetensors"))
+    assert any(not np.array_equal(warm[k], v) for k, v in _weights(straight).items())
+    # The resumed run's log has each step once, as the uninterrupted one.
+    assert [m["step"] for m in read_metrics(resumed) if "rollout/reward_mean" in m] == [1, 2, 3, 4]
+    for x, y in zip(rl_lines, (m for m in read_metrics(resumed) if "rollout/reward_mean" in m)):
+        assert x["update/loss"] == y["update/loss"] if "update/loss" in x else "update/loss" not in y
+
+
+SFT = ("--config.mode=sft", "--config.sft.epochs=1", "--config.data.synthetic.num_train=48",
+       "--config.checkpoint.every_steps=4", "--config.checkpoint.export_hf_every=0")
+
+
+def test_sft_run_killed_and_resumed_matches_the_uninterrupted_run_bitwise(tmp_path):
+    straight, resumed = tmp_path / "straight" / "run", tmp_path / "resumed" / "run"
+    straight.parent.mkdir()
+    resumed.parent.mkdir()
+    _run(straight, *SFT)
+    _kill_after_checkpoint(resumed, 4, *SFT)
+    restart = _run(resumed, *SFT)
+    assert "[sft] resumed from step" in restart.stdout
+    _assert_bitwise_equal(_weights(straight), _weights(resumed))
+    assert [m["step"] for m in read_metrics(resumed)] == [m["step"] for m in read_metrics(straight)] == \
+           list(range(1, 13))
+    losses = [m["sft/loss"] for m in read_metrics(straight)]
+    assert losses == [m["sft/loss"] for m in read_metrics(resumed)]
+    assert json.loads((straight / "data" / "sft.jsonl").read_text().splitlines()[0])["messages"]
