@@ -47,6 +47,8 @@ def _independent_answer(problem):
     if problem.kind == "power_sum_mod":
         power, n, m = nums[1], nums[-3], nums[-1]
         return int(sum(sympy.Integer(i) ** power for i in range(1, n + 1)) % m)
+    if problem.kind == "last_digit_power":
+        return int(str(sympy.Integer(nums[0]) ** nums[1])[-1])
     raise AssertionError(problem.kind)
 
 
