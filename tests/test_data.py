@@ -48,7 +48,7 @@ def _independent_answer(problem):
         power, n, m = nums[1], nums[-3], nums[-1]
         return int(sum(sympy.Integer(i) ** power for i in range(1, n + 1)) % m)
     if problem.kind == "last_digit_power":
-        return int(str(sympy.Integer(nums[0]) ** nums[1])[-1])
+        return int(sympy.Integer(nums[0]) ** nums[1] % 10)
     raise AssertionError(problem.kind)
 
 
