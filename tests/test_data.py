@@ -222,7 +222,7 @@ def test_prompt_iterator_from_config(tmp_path):
     config = load_config(REPO_CONFIGS / "tiny.py", [f"data.train_files={path}"])
     it, report = prompt_iterator_from_config(config)
     batch = next(it)
-    assert len(batch) == config.data.num_prompts_per_step == 2 and report.rows_kept == 10
+    assert len(batch) == config.data.num_prompts_per_step == 4 and report.rows_kept == 10
 
 
 def test_prepare_synthetic_data_from_the_tiny_config(tmp_path):
