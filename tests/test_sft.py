@@ -51,3 +51,39 @@ def test_sft_lowers_held_out_assistant_loss():
 def test_overlong_conversation_is_an_error():
     with pytest.raises(ValueError, match="more than sft.max_length=10"):
         sft_sequences(TEMPLATE, TOK, [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]], 10)
+
+
+def test_the_tiny_runs_warm_up_teaches_well_formed_tool_calls(tiny_run_dir):
+    """After the default run's SFT warm-up, greedy first turns on held-out problems are well-formed
+    tool calls (JSON with the tool's name and code) on most problems; the random initial policy
+    makes none."""
+    import jax.numpy as jnp
+
+    from rstar_jax.agent.tool_calls import ToolCall, parse_tool_calls
+    from rstar_jax.data.datasets import read_examples
+    from rstar_jax.model.generate import greedy_generate
+    from rstar_jax.model.hf import load_pretrained
+
+    template = ChatTemplate.compact()
+    held_out, _ = read_examples(tiny_run_dir / "data" / "eval.jsonl")
+    prompts = [template.prompt_ids(TOK, ex.question) for ex in held_out]
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts), width), np.int32)
+    for row, p in enumerate(prompts):
+        ids[row, :len(p)] = p
+    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+
+    def well_formed_rate(model) -> float:
+        tokens, _ = greedy_generate(model, jnp.asarray(ids), lengths, 224)
+        good = 0
+        for row in np.asarray(tokens).tolist():
+            text = TOK.decode(row[:row.index(TOK.eos_id)] if TOK.eos_id in row else row)
+            calls = parse_tool_calls(text, tool_names=(template.tool_name,))
+            good += bool(calls) and isinstance(calls[0], ToolCall) and "print(" in calls[0].code
+        return good / len(prompts)
+
+    warm = load_pretrained(tiny_run_dir / "hf" / "sft_warmup")
+    initial = Qwen3(warm.config, rngs=nnx.Rngs(0))
+    assert len(prompts) == 16
+    assert well_formed_rate(warm) >= 0.75
+    assert well_formed_rate(initial) == 0.0
