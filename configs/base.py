@@ -82,6 +82,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout = ml_collections.ConfigDict()
     c.rollout.backend = "jax"  # "jax" (in-process JaxEngine) | "sglang" (HTTP servers)
     c.rollout.servers = ()  # SGLang base URLs, e.g. ("http://10.0.0.5:30000",)
+    # sglang backend on one machine: start this many `python -m rstar_jax.serve` processes (our
+    # SGLang-compatible server) from the policy and stop them with the run; servers = () then.
+    c.rollout.local_servers = 0
     c.rollout.scheduler = "kv"  # spec §4.1: KV-cache-aware load balancing | "round_robin"
     c.rollout.rollouts_per_prompt = 32  # spec §5.3: 32 rollouts per prompt, RoC keeps 16
     c.rollout.temperature = 1.0  # spec §5.3: rollout temperature 1.0

@@ -317,8 +317,14 @@ def validate(config: ml_collections.ConfigDict, *, check_files: bool = True) -> 
     _require(bool(config.rollout.tool_name), "rollout.tool_name", "must be non-empty")
     sequence = config.rollout.max_prompt_length + config.rollout.response_budget
     if config.rollout.backend == "sglang":
-        _require(len(servers) > 0, "rollout.servers", "the sglang backend needs at least one server URL")
-    else:
+        _require(len(servers) > 0 or config.rollout.local_servers > 0, "rollout.servers",
+                 "the sglang backend needs at least one server URL (or rollout.local_servers > 0)")
+        _require(not (servers and config.rollout.local_servers), "rollout.local_servers",
+                 "set either rollout.servers (running servers) or rollout.local_servers (started here), not both")
+    local_servers = config.rollout.local_servers
+    _require(isinstance(local_servers, int) and local_servers >= 0, "rollout.local_servers",
+             f"must be a non-negative integer, got {local_servers!r}")
+    if config.rollout.backend == "jax" or local_servers:  # our engine: in-process or behind rstar_jax.serve
         _require(config.rollout.engine.max_length >= sequence, "rollout.engine.max_length",
                  f"must be >= rollout.max_prompt_length + rollout.response_budget = {sequence}, "
                  f"got {config.rollout.engine.max_length}")

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 
-def _launch(*args, cwd):
-    env = dict(os.environ)  # conftest set 8 fake CPU devices and the compilation cache
+def _launch(*args, cwd, env=None):
+    env = {**os.environ, **(env or {})}  # conftest set 8 fake CPU devices and the compilation cache
     return subprocess.run([sys.executable, "-m", "rstar_jax.launch", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -80,3 +80,36 @@ def test_rl_mode_runs_two_steps_with_the_real_sandbox_and_engine(tmp_path):
         assert "rollout/reward_mean" in r and "roc/groups_total" in r and r["roc/groups_total"] == 2
         assert r["rollout/response_length_mean"] <= 32
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
+
+
+def test_rl_on_two_serve_servers_behind_the_kv_scheduler(tmp_path, tiny_run_dir):
+    """The sglang backend end to end: the launcher starts two `rstar_jax.serve` processes from the
+    policy, places trajectories with the KV scheduler, and after each update exports the weights and
+    loads them with /update_weights_from_disk; later trajectories report the new weight version."""
+    import json
+
+    from rstar_jax.rollout.records import iter_rollouts
+
+    run = tmp_path / "servers"
+    env_one_device = {"XLA_FLAGS": os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")}
+    # From the warm policy, steps 1-2 keep no mixed group and steps 3-4 update (see test_resume.py).
+    result = _launch(f"--config.run_dir={run}", f"--config.model.hf_path={tiny_run_dir / 'hf' / 'sft_warmup'}",
+                     "--config.sft.before_rl=False", "--config.train.steps=4", "--config.rollout.backend=sglang",
+                     "--config.rollout.local_servers=2", "--config.metrics.progress_bar=false", cwd=tmp_path,
+                     env=env_one_device)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("http://127.0.0.1:") == 2 and "[rl] done" in result.stdout
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    admitted = [lines[-1][f"scheduler/admitted_{i}"] for i in range(2)]
+    assert sum(admitted) == 4 * 4 * 8 and min(admitted) > 0
+    updated = [m["step"] for m in lines if m["update/skipped"] == 0]
+    assert updated and all("time/weight_sync_s" in lines[s - 1] for s in updated)
+    assert (run / "weights_sync" / "model.safetensors").exists()
+    # Trajectories of the step after the first update were sampled by the updated weights (version 1).
+    first = updated[0]
+    if first < 4:
+        versions = {r["policy_version"] for r in iter_rollouts(run) if r["step"] == first + 1 and r["num_sampled_tokens"]}
+        assert versions == {1}
+    rewards = [r["reward"] for r in iter_rollouts(run)]
+    assert len(rewards) == 4 * 4 * 8

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import time
 from typing import Any, Awaitable, Callable, Protocol
 
 import numpy as np
@@ -182,7 +183,9 @@ async def run_trajectory(
                 traj.finish_reason, traj.truncated = STOP_BUDGET, True
                 break
             # Calls of one turn run concurrently (the release gathers them); each yields (status, text).
+            t_tools = time.perf_counter()
             outcomes = await asyncio.gather(*(_run_call(call, executor, config) for call in calls))
+            traj.tool_seconds += time.perf_counter() - t_tools
             for status, _ in outcomes:
                 traj.n_tool_calls += 1
                 traj.n_tool_errors += int(is_tool_error(status))

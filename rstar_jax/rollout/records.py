@@ -39,6 +39,7 @@ def trajectory_record(traj: Trajectory, decode, **extra: Any) -> dict:
         "n_tool_errors": traj.n_tool_errors,
         "n_answer_tags": traj.n_answer_tags,
         "tool_statuses": list(traj.tool_statuses),
+        "tool_seconds": float(traj.tool_seconds),
         "response_length": len(traj.response_ids),
         "num_sampled_tokens": traj.num_sampled_tokens,
         "policy_version": traj.policy_version,

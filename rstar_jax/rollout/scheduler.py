@@ -42,6 +42,7 @@ class GeneratorLedger:
     reported_used: int = 0  # what the generator last reported in use (reconcile)
     leases: int = 0
     peak_reserved: int = 0
+    admitted: int = 0  # trajectories placed here so far
 
 
 class KvScheduler:
@@ -73,6 +74,10 @@ class KvScheduler:
         self._init_lock = asyncio.Lock()
         self.admitted = 0
         self.max_queue = 0
+
+    def admitted_per_generator(self) -> list[int]:
+        """Trajectories placed on each generator so far (for load metrics)."""
+        return [ledger.admitted for ledger in self._ledgers or []]
 
     # -- ledger -------------------------------------------------------------------------------
     @property
@@ -127,6 +132,7 @@ class KvScheduler:
         ledger.reserved += tokens
         ledger.leases += 1
         ledger.peak_reserved = max(ledger.peak_reserved, ledger.reserved)
+        ledger.admitted += 1
         self._holder[trajectory_id] = index
         self.admitted += 1
 
@@ -198,11 +204,16 @@ class RoundRobinScheduler:
         self.generators = list(generators)
         self._next = itertools.count()
         self.leases = [0] * len(self.generators)
+        self.admitted = [0] * len(self.generators)
+
+    def admitted_per_generator(self) -> list[int]:
+        return list(self.admitted)
 
     @contextlib.asynccontextmanager
     async def lease(self, trajectory_id: str, reserve_tokens: int) -> AsyncIterator[Generator]:
         index = next(self._next) % len(self.generators)
         self.leases[index] += 1
+        self.admitted[index] += 1
         try:
             yield self.generators[index]
         finally:

@@ -40,6 +40,7 @@ class Trajectory:
     n_tool_errors: int = 0  # by execution status, not by substring
     n_answer_tags: int = 0  # closed <answer>...</answer> pairs
     tool_statuses: list[str] = dataclasses.field(default_factory=list)
+    tool_seconds: float = 0.0  # wall time this trajectory waited on its tool calls (sandbox round trips)
     extra: dict = dataclasses.field(default_factory=dict)
 
     @property

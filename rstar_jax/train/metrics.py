@@ -321,6 +321,16 @@ def flops_per_token(config: Any, seq_len: int, *, training: bool = True) -> Flop
     return FlopCount(matmul_params=n, flops_per_token=total if training else total / 3.0)
 
 
+def peak_flops_for(device_kind: str) -> float | None:
+    """Dense bf16 peak FLOP/s for a `jax.Device.device_kind`, None when unknown (e.g. CPU)."""
+    kind = device_kind.lower()
+    for needle, key in (("h200", "h200_bf16"), ("h100", "h100_bf16"), ("mi300x", "mi300x_bf16"),
+                        ("a100", "a100_bf16")):
+        if needle in kind:
+            return PEAK_FLOPS[key]
+    return None
+
+
 def throughput(tokens: int, seconds: float, flops_per_token_value: float, *, num_devices: int = 1,
                peak_flops_per_device: float | None = None) -> dict[str, float]:
     """tokens/s, achieved FLOP/s, and MFU (achieved / (devices × peak)) when a peak is given."""

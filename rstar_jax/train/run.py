@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import pathlib
 import time
 
@@ -31,6 +32,8 @@ from rstar_jax.rl.loss import LossConfig
 from rstar_jax.rl.roc import RocConfig
 from rstar_jax.rollout.engine import JaxEngine
 from rstar_jax.rollout.loop import LoopConfig
+from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler
+from rstar_jax.rollout.sglang import SGLangGenerator, sync_weights_via_disk
 from rstar_jax.rollout.records import rollout_path, trajectory_record, write_records
 from rstar_jax.train.checkpoint import Checkpointer
 from rstar_jax.train.metrics import MetricsWriter, ProgressBar, rl_step_stats
@@ -154,6 +157,8 @@ def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWrit
     from sandbox_service.client import SandboxClient
     from sandbox_service.launcher import LocalSandbox
 
+    from rstar_jax.serve import LocalServer
+
     r, rl = config.rollout, config.rl
     optimizer = make_optimizer(model, OptimizerConfig(
         lr=config.optim.lr, warmup_steps=config.optim.warmup_steps, schedule=config.optim.schedule,
@@ -187,19 +192,31 @@ def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWrit
         chunk_size=rl.logprob_chunk_size,
         max_concurrency=r.max_concurrency,
     )
-    engine = JaxEngine(model, slots=r.engine.slots, max_length=r.engine.max_length, seed=config.seed)
+    engine = (JaxEngine(model, slots=r.engine.slots, max_length=r.engine.max_length, seed=config.seed)
+              if r.backend == "jax" else None)
     opt_config = OptimizerConfig(lr=config.optim.lr, warmup_steps=config.optim.warmup_steps,
                                  schedule=config.optim.schedule, total_steps=config.train.steps)
     sandbox = (LocalSandbox(workers=config.sandbox.workers) if config.sandbox.launch_local
                else contextlib.nullcontext(None))
 
-    async def loop(targets) -> dict:
-        # One event loop for the whole stage: the sandbox client's channels belong to it.
+    async def loop(targets, server_urls) -> dict:
+        # One event loop for the whole stage: the sandbox client's channels and the generators'
+        # HTTP sessions belong to it.
         last: dict = {}
         client = SandboxClient(targets)
         scorer = make_scorer(settings.loop.reward_mode, timeout_s=10.0, sandbox_client=client)
+        generators, scheduler, sync = [], None, None
+        if engine is None:
+            generators = [SGLangGenerator(url) for url in server_urls]
+            scheduler = (KvScheduler(generators) if r.scheduler == "kv" else RoundRobinScheduler(generators))
+            sync_dir = pathlib.Path(config.run_dir) / "weights_sync"
+            versions = itertools.count(start + 1)
+            sync = lambda m: sync_weights_via_disk(m, generators, sync_dir, version=next(versions),  # noqa: E731
+                                                   mode="wait")
+            # Servers may start from any weights: they sample from the trainer's policy from step one.
+            await sync_weights_via_disk(model, generators, sync_dir, version=start, mode="wait")
         trainer = RLTrainer(model, optimizer, tokenizer, settings, executor=client, scorer=scorer, engine=engine,
-                            template=template)
+                            scheduler=scheduler, template=template, sync_weights=sync)
         bar = ProgressBar(config.train.steps, desc="rl") if config.metrics.progress_bar else None
         try:
             for step in range(start, config.train.steps):
@@ -212,6 +229,9 @@ def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWrit
                                   (trajectory_record(t, decode, step=step + 1, stage=config.stage)
                                    for t in trajectories))
                 step_metrics["lr"] = float(lr_schedule(opt_config)(step))
+                if scheduler is not None:
+                    step_metrics.update({f"scheduler/admitted_{i}": n
+                                         for i, n in enumerate(scheduler.admitted_per_generator())})
                 last = metrics.write(step + 1, step_metrics)
                 checkpointer.save(step + 1, model=model, optimizer=optimizer, data_state=iterator.get_state(),
                                   stage=config.stage, config=config.to_dict(),
@@ -222,7 +242,8 @@ def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWrit
         finally:
             if bar:
                 bar.close()
-            for closer in (getattr(scorer, "close", None), getattr(client, "close", None)):
+            for closer in (getattr(scorer, "close", None), getattr(client, "close", None),
+                           *(g.close for g in generators)):
                 if closer is not None:
                     result = closer()
                     if asyncio.iscoroutine(result):
@@ -230,7 +251,18 @@ def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWrit
         return last
 
     try:
-        with sandbox as local:
-            return asyncio.run(loop([local.target] if local is not None else list(config.sandbox.targets)))
+        with sandbox as local, contextlib.ExitStack() as servers:
+            urls = list(r.servers)
+            if engine is None and r.local_servers:
+                # Single-node SGLang-style topology: our own `rstar_jax.serve` processes, started from
+                # the current policy and stopped with the run.
+                initial = save_pretrained(model, pathlib.Path(config.run_dir) / "weights_sync")
+                urls = [servers.enter_context(LocalServer(str(initial), slots=r.engine.slots,
+                                                          max_length=r.engine.max_length, seed=config.seed)).url
+                        for _ in range(r.local_servers)]
+                print(f"[rl] generator servers: {' '.join(urls)}", flush=True)
+            targets = [local.target] if local is not None else list(config.sandbox.targets)
+            return asyncio.run(loop(targets, urls))
     finally:
-        engine.close()
+        if engine is not None:
+            engine.close()

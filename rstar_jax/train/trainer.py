@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import time
 from typing import Any, Callable
 
@@ -29,6 +30,7 @@ from rstar_jax.rollout.engine import JaxEngine
 from rstar_jax.rollout.loop import LoopConfig, run_trajectory
 from rstar_jax.rollout.orchestrator import Orchestrator
 from rstar_jax.rollout.trajectory import Trajectory
+from rstar_jax.train.metrics import flops_per_token, peak_flops_for, throughput
 from rstar_jax.train.rl_batch import BatchConfig, prepare_batch
 from rstar_jax.train.step import compute_logprobs, train_step
 
@@ -80,7 +82,7 @@ class RLTrainer:
         self._next_group += len(prompts)
         return trajectories
 
-    def update(self, trajectories: list[Trajectory], *, step: int | None = None) -> dict:
+    def update(self, trajectories: list[Trajectory], *, step: int | None = None, sync: bool = True) -> dict:
         """RoC, advantages, the jitted update and the weight sync; returns this step's metrics.
 
         step: RoC's random choice is seeded with (roc.seed, step), so each step draws afresh and a
@@ -103,14 +105,30 @@ class RLTrainer:
             batch["old_logprobs"] = jnp.where(batch["loss_mask"] > 0, old, 0.0)
         out = train_step(self.model, self.optimizer, batch, s.loss, s.chunk_size, jnp.float32(1.0))
         out = jax.device_get(out)
+        update_s = time.perf_counter() - t0
+        tokens = int(np.count_nonzero(prepared.batch["segment_ids"]))
+        # Training FLOPs of the real (unpadded) tokens at the mean packed sequence length; the
+        # π_old recomputation adds a forward (a third) when the trainer recomputes it.
+        mean_length = max(1, tokens // max(1, len(prepared.roc.kept_indices)))
+        flops = flops_per_token(self.model.config, mean_length).flops_per_token
+        if not s.batch.use_sampler_logprobs:
+            flops *= 4.0 / 3.0
+        devices = jax.devices()
+        metrics.update({f"update/{k}": v for k, v in throughput(
+            tokens, update_s, flops, num_devices=len(devices),
+            peak_flops_per_device=peak_flops_for(devices[0].device_kind)).items()})
+        metrics["update/tokens"] = tokens
         metrics.update(finalize_metrics(out))
         metrics["update/loss"] = float(out["loss"])
         metrics["update/grad_norm"] = float(out["grad_norm"])
         metrics["update/skipped"] = 0
         metrics["time/update_s"] = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        self.sync_weights(self.model)
-        metrics["time/weight_sync_s"] = time.perf_counter() - t1
+        if sync:
+            t1 = time.perf_counter()
+            if inspect.isawaitable(result := self.sync_weights(self.model)):
+                result.close()
+                raise TypeError("RLTrainer.update: sync_weights is async; use astep (or update(sync=False))")
+            metrics["time/weight_sync_s"] = time.perf_counter() - t1
         return metrics
 
     def step(self, prompts: list[tuple[str, str]], *, step: int | None = None) -> tuple[dict, list[Trajectory]]:
@@ -125,7 +143,13 @@ class RLTrainer:
         first_group = None if step is None else step * len(prompts)
         trajectories = await self.rollout(prompts, first_group_id=first_group)
         rollout_s = time.perf_counter() - t0
-        metrics = self.update(trajectories, step=step)
+        metrics = self.update(trajectories, step=step, sync=False)
+        if not metrics["update/skipped"]:
+            # Generators get the new weights before the next step samples (synchronous RL).
+            t1 = time.perf_counter()
+            if inspect.isawaitable(result := self.sync_weights(self.model)):
+                await result
+            metrics["time/weight_sync_s"] = time.perf_counter() - t1
         rewards = np.asarray([t.reward for t in trajectories])
         metrics.update({
             "rollout/reward_mean": float(rewards.mean()),
@@ -133,5 +157,10 @@ class RLTrainer:
             "rollout/response_length_mean": float(np.mean([len(t.response_ids) for t in trajectories])),
             "rollout/tool_calls_mean": float(np.mean([t.n_tool_calls for t in trajectories])),
             "time/rollout_s": rollout_s,
+            "rollout/sampled_tokens_per_s": sum(t.num_sampled_tokens for t in trajectories) / max(rollout_s, 1e-9),
+            # Summed over trajectories: sandbox round trips overlap each other and generation.
+            "time/sandbox_calls_s": float(sum(t.tool_seconds for t in trajectories)),
+            "time/sandbox_call_mean_s": float(sum(t.tool_seconds for t in trajectories))
+            / max(1, sum(t.n_tool_calls for t in trajectories)),
         })
         return metrics, trajectories
