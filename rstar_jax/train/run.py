@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import pathlib
 import time
 
@@ -210,13 +209,15 @@ def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWrit
             generators = [SGLangGenerator(url) for url in server_urls]
             scheduler = (KvScheduler(generators) if r.scheduler == "kv" else RoundRobinScheduler(generators))
             sync_dir = pathlib.Path(config.run_dir) / "weights_sync"
-            versions = itertools.count(start + 1)
-            sync = lambda m: sync_weights_via_disk(m, generators, sync_dir, version=next(versions),  # noqa: E731
-                                                   mode="wait")
+            sync = lambda m: sync_weights_via_disk(m, generators, sync_dir,  # noqa: E731
+                                                   version=trainer.weights_version, mode="wait")
             # Servers may start from any weights: they sample from the trainer's policy from step one.
             await sync_weights_via_disk(model, generators, sync_dir, version=start, mode="wait")
         trainer = RLTrainer(model, optimizer, tokenizer, settings, executor=client, scorer=scorer, engine=engine,
                             scheduler=scheduler, template=template, sync_weights=sync)
+        trainer.weights_version = start
+        if engine is not None and start:
+            engine.update_weights(model, version=start)  # versions continue across a resume
         bar = ProgressBar(config.train.steps, desc="rl") if config.metrics.progress_bar else None
         try:
             for step in range(start, config.train.steps):

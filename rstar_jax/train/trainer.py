@@ -61,8 +61,12 @@ class RLTrainer:
         self.engine = engine
         self.scheduler = scheduler
         self.template = template or ChatTemplate(tool_name=settings.loop.tool_name)
+        # The version generators report for the current weights: the 1-based step of the last update
+        # when steps are numbered (stable across resumes), else a count of updates.
+        self.weights_version = 0
         # Default weight sync: the in-process engine swaps parameters in place.
-        self.sync_weights = sync_weights or (lambda m: engine.update_weights(m) if engine is not None else None)
+        self.sync_weights = sync_weights or (
+            lambda m: engine.update_weights(m, version=self.weights_version) if engine is not None else None)
         self._next_group = 0
 
     async def rollout(self, prompts: list[tuple[str, str]], *, first_group_id: int | None = None) -> list[Trajectory]:
@@ -124,6 +128,7 @@ class RLTrainer:
         metrics["update/skipped"] = 0
         metrics["time/update_s"] = time.perf_counter() - t0
         if sync:
+            self.weights_version += 1
             t1 = time.perf_counter()
             if inspect.isawaitable(result := self.sync_weights(self.model)):
                 result.close()
@@ -146,6 +151,7 @@ class RLTrainer:
         metrics = self.update(trajectories, step=step, sync=False)
         if not metrics["update/skipped"]:
             # Generators get the new weights before the next step samples (synchronous RL).
+            self.weights_version = step + 1 if step is not None else self.weights_version + 1
             t1 = time.perf_counter()
             if inspect.isawaitable(result := self.sync_weights(self.model)):
                 await result
