@@ -181,11 +181,26 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval.top_p = 1.0  # spec §5.4: not stated; verl default
     c.eval.max_turns = 30  # spec §5.4: T = 30
     c.eval.response_budget = 30000  # spec §5.4: up to 30K tokens per response
+    c.eval.top_k = -1  # spec §5.4: not stated; verl default (off)
+    # The policy to evaluate: model.hf_path (an HF directory), or an orbax run directory (or its
+    # checkpoints/ directory) and a step (None = the latest). Not needed with generator_urls.
+    c.eval.checkpoint_dir = ""
+    c.eval.checkpoint_step = config_dict.placeholder(int)
+    # SGLang-compatible servers already serving the policy ("http://host:port"); () = sample with
+    # the in-process JaxEngine (rollout.engine.slots sequences at a time).
+    c.eval.generator_urls = ()
 
     # `python -m rstar_jax.filter_hard`: spec §5.3 stage-3 hard set, drop problems solved k of k.
+    # Sampling uses the config's rollout settings (temperature, T, response budget).
     c.filter_hard = ml_collections.ConfigDict()
     c.filter_hard.k = 8  # spec §5.3: 8 rollouts per problem
     c.filter_hard.output_file = ""
+    c.filter_hard.input_files = ()  # the problems to filter; () = data.train_files
+    # The policy (spec §5.3: the latest stage-2 policy): this orbax run/checkpoints directory, else
+    # model.hf_path, else train.init_from. checkpoint_step None = the latest.
+    c.filter_hard.checkpoint_dir = ""
+    c.filter_hard.checkpoint_step = config_dict.placeholder(int)
+    c.filter_hard.generator_urls = ()  # as eval.generator_urls
 
     # The launcher's foundation demonstration (mode "demo").
     c.demo = ml_collections.ConfigDict()

@@ -214,6 +214,62 @@ def _existing(config, field: str, paths: Sequence[str]) -> None:
         _require(pathlib.Path(path).exists(), field, f"{path} does not exist")
 
 
+def _top_k(config, field: str) -> None:
+    value = _get(config, field)
+    _require(value == -1 or (isinstance(value, int) and not isinstance(value, bool) and value >= 1), field,
+             f"must be -1 (off) or a positive integer, got {value!r}")
+
+
+def _optional_step(config, field: str) -> None:
+    value = _get(config, field)
+    _require(value is None or (isinstance(value, int) and not isinstance(value, bool) and value >= 0), field,
+             f"must be None (the latest checkpoint) or a non-negative step, got {value!r}")
+
+
+def _urls(config, field: str) -> tuple[str, ...]:
+    urls = _strings(config, field)
+    for url in urls:
+        _require(url.startswith(("http://", "https://")), field, f"{url!r} is not an http(s) base URL")
+    return urls
+
+
+FILTER_HARD_FORMATS = ("json", "jsonl", "parquet")
+
+
+def check_filter_hard(config: ml_collections.ConfigDict, *, check_files: bool = True) -> tuple[str, ...]:
+    """What `python -m rstar_jax.filter_hard` needs beyond `validate`; returns the input files.
+
+    The inputs are filter_hard.input_files, else data.train_files (a stage-3 config's train_files
+    is the hard subset this command writes, so it names the full set in filter_hard.input_files).
+    """
+    f = config.filter_hard
+    output = f.output_file
+    _require(isinstance(output, str) and output != "", "filter_hard.output_file", "must name the file to write")
+    suffix = pathlib.Path(output).suffix.lower().lstrip(".")
+    _require(suffix in FILTER_HARD_FORMATS, "filter_hard.output_file",
+             f"must end in one of {tuple('.' + s for s in FILTER_HARD_FORMATS)}, got {output!r}")
+    inputs = tuple(f.input_files) or tuple(config.data.train_files)
+    field = "filter_hard.input_files" if f.input_files else "data.train_files"
+    _require(len(inputs) > 0, "filter_hard.input_files",
+             "no problems to filter: list files here or in data.train_files")
+    resolved_output = pathlib.Path(output).resolve()
+    for path in inputs:
+        _require(pathlib.Path(path).resolve() != resolved_output, field,
+                 f"{path} is also filter_hard.output_file; name the full problem set in filter_hard.input_files")
+    _require(not (f.checkpoint_dir and config.model.hf_path), "filter_hard.checkpoint_dir",
+             "set either model.hf_path (an HF directory) or filter_hard.checkpoint_dir (an orbax run), not both")
+    _require(bool(f.checkpoint_dir or config.model.hf_path or config.train.init_from or f.generator_urls),
+             "filter_hard.checkpoint_dir", "filtering needs a policy: set filter_hard.checkpoint_dir, "
+             "model.hf_path, train.init_from or filter_hard.generator_urls")
+    if check_files:
+        _existing(config, field, inputs)
+        if f.checkpoint_dir:
+            _existing(config, "filter_hard.checkpoint_dir", [f.checkpoint_dir])
+        elif config.train.init_from and not config.model.hf_path and not f.generator_urls:
+            _existing(config, "train.init_from", [config.train.init_from])
+    return inputs
+
+
 def model_config(config: ml_collections.ConfigDict):
     """The `Qwen3Config` the config describes (preset plus non-None overrides)."""
     from rstar_jax.model.qwen3 import Qwen3Config
@@ -400,7 +456,15 @@ def validate(config: ml_collections.ConfigDict, *, check_files: bool = True) -> 
     _range(config, "eval.top_p", 0.0, 1.0, low_open=True)
     _positive_int(config, "eval.max_turns")
     _positive_int(config, "eval.response_budget")
+    _top_k(config, "eval.top_k")
+    _optional_step(config, "eval.checkpoint_step")
+    eval_urls = _urls(config, "eval.generator_urls")
+    _require(not (config.model.hf_path and config.eval.checkpoint_dir), "eval.checkpoint_dir",
+             "set either model.hf_path (an HF directory) or eval.checkpoint_dir (an orbax run), not both")
     _positive_int(config, "filter_hard.k")
+    _strings(config, "filter_hard.input_files")
+    _optional_step(config, "filter_hard.checkpoint_step")
+    _urls(config, "filter_hard.generator_urls")
 
     # What each mode reads.
     synthetic = config.data.synthetic.enabled
@@ -412,6 +476,8 @@ def validate(config: ml_collections.ConfigDict, *, check_files: bool = True) -> 
                  "SFT needs conversations: list files or set data.synthetic.enabled=True")
     if config.mode == "eval":
         _require(len(eval_sets) > 0 or synthetic, "eval.files", "evaluation needs at least one file")
+        _require(bool(config.model.hf_path or config.eval.checkpoint_dir or eval_urls), "eval.checkpoint_dir",
+                 "evaluation needs a policy: set model.hf_path, eval.checkpoint_dir or eval.generator_urls")
     if check_files:
         if config.mode == "rl" and not synthetic:
             _existing(config, "data.train_files", train_files)
@@ -420,6 +486,8 @@ def validate(config: ml_collections.ConfigDict, *, check_files: bool = True) -> 
             _existing(config, "sft.train_files", sft_files)
         if config.mode == "eval":
             _existing(config, "eval.files", eval_sets)
+            if config.eval.checkpoint_dir:
+                _existing(config, "eval.checkpoint_dir", [config.eval.checkpoint_dir])
         if config.model.hf_path:
             _existing(config, "model.hf_path", [config.model.hf_path])
         if config.tokenizer.kind == "hf" and config.tokenizer.path:

@@ -94,11 +94,11 @@ def main(argv) -> None:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    if config.mode == "eval":
-        # Evaluation is composed from the same pieces but has no entry point in this version.
-        print("error: config.mode='eval' is not runnable by this version of the launcher "
-              "(available: 'demo', 'sft', 'rl')", file=sys.stderr)
-        sys.exit(2)
+    if config.mode == "eval":  # the same code path as `python -m rstar_jax.evaluate`
+        from rstar_jax.evaluate import run_or_exit, run_evaluation
+
+        run_or_exit(run_evaluation, config)
+        return
     maybe_initialize_distributed()
     if config.mode == "demo":
         run_demo(config)
