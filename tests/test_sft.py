@@ -13,8 +13,8 @@ from rstar_jax.train.sft import SftBatches, as_device_batch, conversation_ids, e
 from rstar_jax.train.step import OptimizerConfig, make_optimizer
 
 TOK = ByteTokenizer()
-# A short system prompt keeps CPU test sequences small; the real template is tested elsewhere.
-TEMPLATE = ChatTemplate(system_prompt="Solve it.")
+# The compact prompt keeps CPU test sequences small; the release's template is tested elsewhere.
+TEMPLATE = ChatTemplate.compact()
 
 
 def test_mask_covers_assistant_text_only():
@@ -29,8 +29,8 @@ def test_mask_covers_assistant_text_only():
 def test_sft_lowers_held_out_assistant_loss():
     problems = generate_problems(28, seed=0, difficulty=1)
     conversations = [sft_conversation(p) for p in problems]
-    train = sft_sequences(TEMPLATE, TOK, conversations[:24], max_length=2048)
-    held_out = sft_sequences(TEMPLATE, TOK, conversations[24:], max_length=2048)
+    train = sft_sequences(TEMPLATE, TOK, conversations[:24], max_length=1024)
+    held_out = sft_sequences(TEMPLATE, TOK, conversations[24:], max_length=1024)
     longest = max(len(s.prompt_ids) + len(s.response_ids) for s in train + held_out)
     row_length = -(-longest // 128) * 128
     batches = SftBatches(train, conversations_per_step=4, rows=2, row_length=row_length)
