@@ -42,7 +42,7 @@ def test_filter_hard_command_writes_the_unsolved_rows_verbatim(tmp_path):
     overrides = [f"run_dir={tmp_path / 'run'}", f"model.hf_path={tmp_path / 'hf'}", "filter_hard.k=2",
                  f"filter_hard.input_files=('{source}',)", f"filter_hard.output_file={output}",
                  # As in configs/stage3.py: the stage trains on the file this command writes.
-                 "data.synthetic.enabled=false", f"data.train_files=('{output}',)", "rollout.response_budget=32",
+                 "data.synthetic.enabled=false", f"data.train_files=('{output}',)",
                  "rollout.max_turns=2", "sandbox.verify_via=sandbox", "metrics.progress_bar=false",
                  "sft.before_rl=false"]
     result = subprocess.run([sys.executable, "-m", "rstar_jax.filter_hard", f"--config={TINY}",
