@@ -2,6 +2,11 @@
 
 `python -m rstar_jax.evaluate --config=configs/eval.py --config.model.hf_path=<policy>
  --config.eval.files="('aime2024_test.json',)"` (JSON lists of {index, question, answer}).
+The policy may instead be an orbax run (`--config.eval.checkpoint_dir=runs/stage3`, optionally
+`--config.eval.checkpoint_step=N`) or SGLang-compatible servers already serving it
+(`--config.eval.generator_urls="('http://host:30000',)"`, with `--config.tokenizer.path`).
+Sampling reads config.eval; the in-process engine holds max_prompt_length + eval.response_budget
+tokens per slot. A restarted run resumes per question from `<run_dir>/samples.jsonl`.
 """
 
 import ml_collections

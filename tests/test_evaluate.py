@@ -288,6 +288,22 @@ def test_evaluates_an_orbax_run_directory_with_the_checkpoints_model_shape(input
         policy_source(config, checkpoint_dir=str(tmp_path / "empty"))
 
 
+def test_evaluates_on_sglang_compatible_servers_with_the_same_samples(straight, inputs, sandbox_target, tmp_path):
+    """eval.generator_urls: the policy served by `rstar_jax.serve` (SGLang's HTTP API), placed by the
+    KV scheduler. Seeded per trajectory, the servers draw exactly the in-process engine's samples."""
+    from rstar_jax.serve import LocalServer
+
+    with LocalServer(str(inputs["hf_slow"]), slots=32, max_length=832, seed=0, env={"XLA_FLAGS": ""}) as server:
+        config = eval_config(*eval_overrides(tmp_path / "served", inputs["questions"], sandbox_target,
+                                             f"eval.generator_urls=('{server.url}',)"))
+        report = run_evaluation(config)
+    settings = json.loads((tmp_path / "served" / "eval_settings.json").read_text())
+    assert settings["policy"] == {"kind": "servers"}
+    assert report == json.loads((straight[0] / "report.json").read_text())
+    sample = lambda r: (r["key"], r["sample_index"], r["response_ids"], r["reward"])  # noqa: E731
+    assert sorted(map(sample, _records(tmp_path / "served"))) == sorted(map(sample, _records(straight[0])))
+
+
 # -- the sample store and config errors ------------------------------------------------------------
 
 def test_sample_store_drops_torn_and_partial_groups_and_refuses_other_settings(tmp_path):
