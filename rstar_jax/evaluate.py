@@ -305,7 +305,8 @@ class SampleStore:
         """
         self.directory.mkdir(parents=True, exist_ok=True)
         self._lock()
-        if self.settings_path.exists():
+        has_samples = self.samples_path.exists() and self.samples_path.stat().st_size > 0
+        if self.settings_path.exists() and has_samples:
             try:
                 saved = json.loads(self.settings_path.read_text())
             except json.JSONDecodeError as e:
@@ -316,10 +317,10 @@ class SampleStore:
                          if saved.get(name) != self.settings.get(name)]
                 raise EvalError(f"{self.directory} holds samples drawn with other settings ({'; '.join(diffs)}); "
                                 f"resume with the original settings or choose a new config.run_dir")
-        elif self.samples_path.exists():
+        elif has_samples:
             raise EvalError(f"{self.samples_path} exists without {SETTINGS_FILE}: it cannot be resumed safely; "
                             f"choose a new config.run_dir")
-        else:
+        else:  # nothing sampled yet: these settings are the run's
             write_json(self.settings_path, self.settings)
         if not self.samples_path.exists():
             return {}

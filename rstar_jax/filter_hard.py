@@ -83,7 +83,8 @@ def write_rows(output: pathlib.Path, fmt: str, selection: Sequence[tuple[pathlib
         try:
             table = pa.concat_tables(tables)
         except pa.ArrowInvalid as e:
-            raise EvalError(f"config.filter_hard.input_files: the parquet inputs have different schemas ({e})") from None
+            raise EvalError(f"config.filter_hard.input_files: the parquet inputs have different schemas "
+                            f"({e})") from None
         pq.write_table(table, tmp)
         n = table.num_rows
     else:

@@ -54,7 +54,8 @@ def test_filter_hard_command_writes_the_unsolved_rows_verbatim(tmp_path):
     summary = json.loads((tmp_path / "run" / "filter_hard" / "summary.json").read_text())
     assert (summary["problems"], summary["kept"], summary["dropped_solved_k_of_k"], summary["rows_written"]) == \
         (4, 2, 2, 2)
-    records = [json.loads(line) for line in (tmp_path / "run" / "filter_hard" / "samples.jsonl").read_text().splitlines()]
+    samples = tmp_path / "run" / "filter_hard" / "samples.jsonl"
+    records = [json.loads(line) for line in samples.read_text().splitlines()]
     assert len(records) == 8 and {r["model_text"] for r in records} == {"\\boxed{7}<|im_end|>"}
     assert {r["key"]: r["reward"] for r in records} == {f"{source}#0": 1.0, f"{source}#1": 0.0,
                                                         f"{source}#2": 1.0, f"{source}#3": 0.0}
@@ -109,6 +110,6 @@ def test_bad_filter_hard_configs_name_the_field(tmp_path):
     with pytest.raises(ConfigError, match=r"config\.filter_hard\.k: must be a positive integer"):
         validate(load_config(stage3, [*ok, "filter_hard.k=0"]), check_files=False)
     # The hard set keeps the input's format.
-    with pytest.raises(EvalError, match=r"config\.filter_hard\.output_file: .*hard\.json is json but input .* is jsonl"):
+    with pytest.raises(EvalError, match=r"filter_hard\.output_file: .*hard\.json is json but input .* is jsonl"):
         run_filter_hard(validate(load_config(stage3, [*ok, f"filter_hard.output_file={tmp_path / 'hard.json'}"]),
                                  check_files=False))
