@@ -124,3 +124,21 @@ def test_sft_run_killed_and_resumed_matches_the_uninterrupted_run_bitwise(tmp_pa
     losses = [m["sft/loss"] for m in read_metrics(straight)]
     assert losses == [m["sft/loss"] for m in read_metrics(resumed)]
     assert json.loads((straight / "data" / "sft.jsonl").read_text().splitlines()[0])["messages"]
+
+
+def test_next_stage_starts_from_the_previous_stages_checkpoint(tmp_path):
+    """`train.init_from` (stage 2 and 3 configs): the policy comes from the previous stage's latest
+    checkpoint, not from the stage's own initialisation; stage 3 resets the optimizer."""
+    short = ("--config.sft.before_rl=false", "--config.rollout.response_budget=32",
+             "--config.data.num_prompts_per_step=2", "--config.train.steps=1")
+    previous, following = tmp_path / "stage1" / "run", tmp_path / "stage2" / "run"
+    previous.parent.mkdir()
+    following.parent.mkdir()
+    _run(previous, *short)
+    # A different seed initialises different weights: only init_from can make them equal.
+    result = _run(following, *short, "--config.seed=1", f"--config.train.init_from={previous}",
+                  "--config.optim.reset_at_start=true")
+    assert f"[rl] initialised from {previous / 'checkpoints'} step 1 (optimizer reset)" in result.stdout
+    # The random policy earns no reward, so neither stage updated: the weights passed through unchanged.
+    assert all(m.get("update/skipped") == 1 for m in read_metrics(following) if "rollout/reward_mean" in m)
+    _assert_bitwise_equal(_weights(previous), _weights(following))

@@ -166,13 +166,23 @@ def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWrit
     iterator, report = prompt_iterator_from_config(config, train_files)
     start = 0
     if checkpointer.latest_step() is not None:
-        restored = checkpointer.restore(model=model, optimizer=optimizer,
-                                        reset_optimizer=config.optim.reset_at_start)
+        # This stage's own checkpoint: everything continues exactly (optimizer and data position).
+        restored = checkpointer.restore(model=model, optimizer=optimizer)
         start = restored.step
         if restored.data_state is not None:
             iterator.set_state(restored.data_state)
         metrics.discard_after(start, where=lambda record: "rollout/reward_mean" in record)
         print(f"[rl] resumed from step {start}", flush=True)
+    elif config.train.init_from:
+        # The previous stage's latest checkpoint: its policy, and its optimizer state unless the
+        # recipe resets it (stage 3). The data stream and step count start afresh.
+        source = pathlib.Path(config.train.init_from)
+        source = source / "checkpoints" if (source / "checkpoints").is_dir() else source
+        with contextlib.closing(Checkpointer(source, async_save=False)) as previous:
+            restored = previous.restore(model=model, optimizer=optimizer,
+                                        reset_optimizer=config.optim.reset_at_start)
+        print(f"[rl] initialised from {source} step {restored.step}"
+              + (" (optimizer reset)" if config.optim.reset_at_start else ""), flush=True)
     row_length = row_length_for(r.max_prompt_length, r.response_budget)
     settings = RLSettings(
         rollouts_per_prompt=r.rollouts_per_prompt,
