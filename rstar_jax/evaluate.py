@@ -620,18 +620,14 @@ def run_or_exit(run, config) -> None:
         sys.exit(2)
 
 
-def main() -> None:
+def config_command(default_config: str | os.PathLike, run) -> None:
+    """The absl entry point shared by this command and filter_hard: `--config=FILE` (default
+    `default_config`) with `--config.a.b=v` overrides, then `run_or_exit(run, config)`."""
     from absl import app
     from ml_collections import config_flags
 
-    from rstar_jax.config import REPO_CONFIGS, validate
-
-    config_flag = config_flags.DEFINE_config_file("config", str(REPO_CONFIGS / "eval.py"),
+    config_flag = config_flags.DEFINE_config_file("config", str(default_config),
                                                   "Path to a config file (get_config()).", lock_config=True)
-
-    def run(config) -> None:
-        config.mode = "eval"  # any stage config evaluates its policy the same way
-        run_evaluation(validate(config))
 
     def entry(argv) -> None:
         if len(argv) > 1:
@@ -639,6 +635,16 @@ def main() -> None:
         run_or_exit(run, config_flag.value)
 
     app.run(entry)
+
+
+def main() -> None:
+    from rstar_jax.config import REPO_CONFIGS, validate
+
+    def run(config) -> None:
+        config.mode = "eval"  # any stage config evaluates its policy the same way
+        run_evaluation(validate(config))
+
+    config_command(REPO_CONFIGS / "eval.py", run)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,13 @@ from rstar_jax.data.datasets import detect_format
 from rstar_jax.evaluate import (
     EvalError,
     SampleStore,
-    write_json,
+    config_command,
     load_questions,
     loop_config,
     policy_source,
-    run_or_exit,
     sample_questions,
     sampling_settings,
+    write_json,
 )
 
 WORK_DIR = "filter_hard"  # under config.run_dir: samples, settings and the summary
@@ -135,25 +135,14 @@ def run_filter_hard(config) -> dict:
 
 
 def main() -> None:
-    from absl import app
-    from ml_collections import config_flags
-
     from rstar_jax.config import DEFAULT_CONFIG, validate
-
-    config_flag = config_flags.DEFINE_config_file("config", str(DEFAULT_CONFIG),
-                                                  "Path to a config file (get_config()).", lock_config=True)
 
     def run(config) -> None:
         # A stage-3 config's data.train_files is this command's output: it need not exist yet, so
         # file checks are those of check_filter_hard (inputs, policy), not the RL mode's.
         run_filter_hard(validate(config, check_files=False))
 
-    def entry(argv) -> None:
-        if len(argv) > 1:
-            raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-        run_or_exit(run, config_flag.value)
-
-    app.run(entry)
+    config_command(DEFAULT_CONFIG, run)
 
 
 if __name__ == "__main__":
