@@ -26,28 +26,6 @@ def test_mask_covers_assistant_text_only():
     assert TOK.decode(ids).endswith(f"<|im_start|>assistant\n<reason>done{IM_END}")
 
 
-def test_sft_lowers_held_out_assistant_loss():
-    problems = generate_problems(28, seed=0, difficulty=1)
-    conversations = [sft_conversation(p) for p in problems]
-    train = sft_sequences(TEMPLATE, TOK, conversations[:24], max_length=1024)
-    held_out = sft_sequences(TEMPLATE, TOK, conversations[24:], max_length=1024)
-    longest = max(len(s.prompt_ids) + len(s.response_ids) for s in train + held_out)
-    row_length = -(-longest // 128) * 128
-    batches = SftBatches(train, conversations_per_step=4, rows=2, row_length=row_length)
-    held = SftBatches(held_out, conversations_per_step=4, rows=2, row_length=row_length)
-    model = Qwen3(Qwen3Config.tiny(max_position_embeddings=row_length), rngs=nnx.Rngs(0))
-    opt = make_optimizer(model, OptimizerConfig(lr=3e-3, warmup_steps=1, schedule="cosine", total_steps=6))
-    held_batch = as_device_batch(next(iter(held.epoch(0))))
-    before = float(eval_nll(model, held_batch, chunk_size=256))
-    losses = []
-    for epoch in range(1):
-        for batch in batches.epoch(epoch):
-            losses.append(float(sft_step(model, opt, as_device_batch(batch), 256)["loss"]))
-    after = float(eval_nll(model, held_batch, chunk_size=256))
-    assert np.isfinite(losses).all() and losses[-1] < losses[0]
-    assert after < before - 0.5, (before, after)  # from ~log(320) = 5.8 nats per token
-
-
 def test_overlong_conversation_is_an_error():
     with pytest.raises(ValueError, match="more than sft.max_length=10"):
         sft_sequences(TEMPLATE, TOK, [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]], 10)
@@ -85,5 +63,29 @@ def test_the_tiny_runs_warm_up_teaches_well_formed_tool_calls(tiny_run_dir):
     warm = load_pretrained(tiny_run_dir / "hf" / "sft_warmup")
     initial = Qwen3(warm.config, rngs=nnx.Rngs(0))
     assert len(prompts) == 16
-    assert well_formed_rate(warm) >= 0.75
+    rate = well_formed_rate(warm)
+    print(f"well-formed tool calls after the warm-up: {rate:.2f}")
+    assert rate >= 0.75
     assert well_formed_rate(initial) == 0.0
+
+    # The assistant-token loss on held-out solved conversations (problems the warm-up never saw:
+    # the run's eval set, regenerated from its seed to get the reference programs).
+    from rstar_jax.agent.tool_calls import format_observation
+
+    class _Ok:
+        status, stderr, duration_s = "ok", "", 0.0
+
+        def __init__(self, stdout):
+            self.stdout = stdout
+
+    problems = generate_problems(16, seed=1, kinds=("last_digit_power", "modular_power"), difficulty=1)
+    assert [p.question for p in problems] == [ex.question for ex in held_out]
+    solved = [sft_conversation(p, format_observation=lambda out: format_observation(_Ok(out), style="paper",
+                                                                                    max_chars=64))
+              for p in problems]
+    sequences = sft_sequences(template, TOK, solved, max_length=1024)
+    batch = as_device_batch(next(iter(SftBatches(sequences, conversations_per_step=16, rows=16,
+                                                 row_length=1024).epoch(0))))
+    before, after = float(eval_nll(initial, batch, 256)), float(eval_nll(warm, batch, 256))
+    print(f"held-out assistant NLL {before:.3f} -> {after:.3f}")
+    assert after < 0.25 * before, (before, after)  # from ~log(320) = 5.8 nats per byte
