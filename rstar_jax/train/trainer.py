@@ -128,13 +128,17 @@ class RLTrainer:
         metrics["update/skipped"] = 0
         metrics["time/update_s"] = time.perf_counter() - t0
         if sync:
-            self.weights_version += 1
             t1 = time.perf_counter()
-            if inspect.isawaitable(result := self.sync_weights(self.model)):
+            if inspect.isawaitable(result := self._sync(step=None)):
                 result.close()
                 raise TypeError("RLTrainer.update: sync_weights is async; use astep (or update(sync=False))")
             metrics["time/weight_sync_s"] = time.perf_counter() - t1
         return metrics
+
+    def _sync(self, *, step: int | None):
+        """Bumps the weights version and starts the sync; returns what sync_weights returned."""
+        self.weights_version = step + 1 if step is not None else self.weights_version + 1
+        return self.sync_weights(self.model)
 
     def step(self, prompts: list[tuple[str, str]], *, step: int | None = None) -> tuple[dict, list[Trajectory]]:
         return asyncio.run(self.astep(prompts, step=step))
@@ -151,12 +155,12 @@ class RLTrainer:
         metrics = self.update(trajectories, step=step, sync=False)
         if not metrics["update/skipped"]:
             # Generators get the new weights before the next step samples (synchronous RL).
-            self.weights_version = step + 1 if step is not None else self.weights_version + 1
             t1 = time.perf_counter()
-            if inspect.isawaitable(result := self.sync_weights(self.model)):
+            if inspect.isawaitable(result := self._sync(step=step)):
                 await result
             metrics["time/weight_sync_s"] = time.perf_counter() - t1
         rewards = np.asarray([t.reward for t in trajectories])
+        sandbox_s = float(sum(t.tool_seconds for t in trajectories))
         metrics.update({
             "rollout/reward_mean": float(rewards.mean()),
             "rollout/truncated_ratio": float(np.mean([t.truncated for t in trajectories])),
@@ -165,8 +169,7 @@ class RLTrainer:
             "time/rollout_s": rollout_s,
             "rollout/sampled_tokens_per_s": sum(t.num_sampled_tokens for t in trajectories) / max(rollout_s, 1e-9),
             # Summed over trajectories: sandbox round trips overlap each other and generation.
-            "time/sandbox_calls_s": float(sum(t.tool_seconds for t in trajectories)),
-            "time/sandbox_call_mean_s": float(sum(t.tool_seconds for t in trajectories))
-            / max(1, sum(t.n_tool_calls for t in trajectories)),
+            "time/sandbox_calls_s": sandbox_s,
+            "time/sandbox_call_mean_s": sandbox_s / max(1, sum(t.n_tool_calls for t in trajectories)),
         })
         return metrics, trajectories
