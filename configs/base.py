@@ -106,8 +106,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.max_tool_calls_per_turn = 1  # spec §6.9: the release executes only the first call
     c.rollout.max_concurrency = 512  # trajectories in flight
     c.rollout.engine = ml_collections.ConfigDict()  # in-process JaxEngine
-    c.rollout.engine.slots = 64  # concurrent sequences in the KV cache
+    c.rollout.engine.slots = 64  # concurrent sequences (max_running_requests)
     c.rollout.engine.max_length = 10240  # prompt + response budget
+    # KV page pool in tokens (SGLang's max_total_num_tokens); 0 means slots x max_length. Set it to
+    # what memory holds: below slots x max_length the engine overcommits and retracts under pressure.
+    c.rollout.engine.max_total_tokens = 0
+    c.rollout.engine.page_size = 16  # tokens per KV page
 
     c.rl = ml_collections.ConfigDict()
     c.rl.group_size = 16  # spec §5.3: RoC keeps 16 of 32

@@ -363,8 +363,13 @@ def validate(config: ml_collections.ConfigDict, *, check_files: bool = True) -> 
     _enum(config, "rollout.template", TEMPLATE_STYLES)
     for field in ("rollouts_per_prompt", "max_turns", "response_budget", "max_prompt_length",
                   "observation_max_chars", "max_tool_calls_per_turn", "max_concurrency", "engine.slots",
-                  "engine.max_length"):
+                  "engine.max_length", "engine.page_size"):
         _positive_int(config, f"rollout.{field}")
+    _positive_int(config, "rollout.engine.max_total_tokens", allow_zero=True)
+    pool = config.rollout.engine.max_total_tokens
+    _require(pool == 0 or pool >= config.rollout.engine.max_length, "rollout.engine.max_total_tokens",
+             f"must be 0 (slots x max_length) or >= rollout.engine.max_length "
+             f"({config.rollout.engine.max_length}) so that one sequence fits, got {pool}")
     _range(config, "rollout.temperature", 0.0, None, low_open=True)
     _range(config, "rollout.top_p", 0.0, 1.0, low_open=True)
     top_k = config.rollout.top_k

@@ -437,7 +437,10 @@ def _sample_pending(config, pending, *, k, loop, store, source, tokenizer, templ
         if max_length > limit:
             raise EvalError(f"config.rollout.max_prompt_length + the response budget = {max_length} exceeds the "
                             f"policy's max_position_embeddings {limit}")
-        engine = JaxEngine(model, slots=config.rollout.engine.slots, max_length=max_length, seed=config.seed)
+        pool = config.rollout.engine.max_total_tokens
+        engine = JaxEngine(model, slots=config.rollout.engine.slots, max_length=max_length,
+                           max_total_tokens=max(pool, max_length) if pool else None,
+                           page_size=config.rollout.engine.page_size, seed=config.seed)
     sandbox = (LocalSandbox(workers=config.sandbox.workers, memory_mb=config.sandbox.memory_mb)
                if config.sandbox.launch_local else contextlib.nullcontext(None))
     try:

@@ -1,17 +1,20 @@
 """SGLang-compatible HTTP server over `JaxEngine`.
 
     python -m rstar_jax.serve --model PATH_OR_PRESET --port 30000 [--host 127.0.0.1] [--slots N]
-        [--max-length N] [--port-file F] [--seed S]
+        [--max-length N] [--max-total-tokens N] [--page-size N] [--port-file F] [--seed S]
 
 `--model` is a Hugging Face Qwen3 directory or a preset name (`tiny`, `qwen3-1.7b`, ...), which is
 served with random weights (tests, benchmarks). `--port 0` picks a free port; `--port-file` receives
-the bound port once the server is ready.
+the bound port once the server is ready. `--max-total-tokens` sizes the paged KV pool
+(`max_total_num_tokens`); below slots x max-length the server overcommits it and retracts requests
+under pressure, as SGLang does (`meta_info.num_retractions`).
 
-The surface is SGLang's (field names, formats and semantics of sglang_api.md §3, §4, §11): token-in
-`/generate` (no tokenizer: no `text`, no `stop` strings), `/abort_request` (rid prefix), `/get_server_info`,
-`/v1/loads`, `/get_load`, `/health`, `/health_generate`, `/flush_cache`, `/update_weights_from_disk`,
-`/pause_generation` (abort mode), `/continue_generation`, `/get_weight_version`, `/get_model_info` and
-no-op `/release_memory_occupation` / `/resume_memory_occupation`. The engine has no prefix cache, so
+The surface is SGLang's, with its field names, formats and semantics: token-in `/generate` (no
+tokenizer: no `text`, no `stop` strings), `/abort_request` (rid prefix), `/get_server_info`,
+`/v1/loads` (`?include=queues` adds the queue section), `/get_load`, `/health`, `/health_generate`,
+`/flush_cache`, `/update_weights_from_disk`, `/pause_generation` (modes abort, retract, in_place),
+`/continue_generation`, `/get_weight_version`, `/get_model_info` and no-op
+`/release_memory_occupation` / `/resume_memory_occupation`. The engine has no prefix cache, so
 `cached_tokens` is 0 and `/flush_cache` only checks that the server is idle, as SGLang does. The
 weight_version string starts as "0" and becomes the `weight_version` a weight update names, or
 the engine's version counter when it names none.
@@ -181,6 +184,7 @@ class EngineServer:
             "prompt_tokens": len(ids),
             "completion_tokens": len(result.token_ids),
             "cached_tokens": 0,
+            "num_retractions": result.num_retractions,
             "weight_version": self.weight_version,
             "e2e_latency": time.perf_counter() - start,
         }
@@ -213,10 +217,17 @@ class EngineServer:
             "gen_throughput": self.generated_tokens / max(time.time() - self.started, 1e-9),
             "cache_hit_rate": 0.0,
             "utilization": cap.running_requests / self.engine.slots,
+            "queues": {"waiting": cap.queued_requests - cap.retracted_requests, "grammar": 0,
+                       "paused": cap.running_requests if self.engine.paused else 0,
+                       "retracted": cap.retracted_requests},
         }
 
     async def loads(self, request: web.Request) -> web.Response:
-        return web.json_response({"loads": [await self._load_row()]})
+        row = await self._load_row()
+        include = set(request.query.get("include", "core").split(","))
+        if not include & {"queues", "all"}:
+            row.pop("queues")
+        return web.json_response({"loads": [row]})
 
     async def get_load(self, request: web.Request) -> web.Response:
         row = await self._load_row()
@@ -226,7 +237,7 @@ class EngineServer:
     async def server_info(self, request: web.Request) -> web.Response:
         from rstar_jax import __version__ as package_version
 
-        total = self.engine.slots * self.engine.max_length
+        total = self.engine.max_total_tokens
         row = await self._load_row()
         return web.json_response({
             "model_path": self.model_path,
@@ -234,7 +245,7 @@ class EngineServer:
             "max_running_requests": self.engine.slots,
             "max_total_num_tokens": total,
             "max_req_input_len": self.engine.max_length - 1,
-            "page_size": 1,
+            "page_size": self.engine.page_size,
             "tp_size": 1,
             "dp_size": 1,
             "skip_tokenizer_init": True,
@@ -298,10 +309,12 @@ class EngineServer:
 
     async def pause(self, request: web.Request) -> web.Response:
         body = await _json_or_empty(request)
+        from rstar_jax.rollout.engine import PAUSE_MODES
+
         mode = body.get("mode", "abort")
-        if mode != "abort":
-            return _error(f"pause_generation mode {mode!r} is not supported; this server implements 'abort'")
-        self.engine.pause()
+        if mode not in PAUSE_MODES:
+            return _error(f"pause_generation: mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        self.engine.pause(mode)
         return web.json_response({"message": "Generation paused.", "status": "ok"})
 
     async def resume(self, request: web.Request) -> web.Response:
@@ -328,7 +341,8 @@ async def _json_or_empty(request: web.Request) -> dict:
     return body
 
 
-def build_engine(model: str, *, slots: int, max_length: int, seed: int = 0):
+def build_engine(model: str, *, slots: int, max_length: int, max_total_tokens: int | None = None,
+                 page_size: int = 16, seed: int = 0):
     """A JaxEngine over a checkpoint directory or a random-init preset; returns (engine, eos ids)."""
     from flax import nnx
 
@@ -351,12 +365,14 @@ def build_engine(model: str, *, slots: int, max_length: int, seed: int = 0):
             raise SystemExit(f"--model {model!r} is neither a checkpoint directory nor a preset: {e}") from e
         qwen = Qwen3(config, rngs=nnx.Rngs(seed))
     buckets = tuple(b for b in (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768) if b < max_length)
-    engine = JaxEngine(qwen, slots=slots, max_length=max_length, prefill_buckets=buckets, seed=seed)
+    engine = JaxEngine(qwen, slots=slots, max_length=max_length, max_total_tokens=max_total_tokens,
+                       page_size=page_size, prefill_buckets=buckets, seed=seed)
     return engine, eos
 
 
 async def _serve(args) -> None:
     engine, eos = await asyncio.to_thread(build_engine, args.model, slots=args.slots, max_length=args.max_length,
+                                          max_total_tokens=args.max_total_tokens, page_size=args.page_size,
                                           seed=args.seed)
     server = EngineServer(engine, model_path=args.model, eos_token_ids=eos)
     runner = web.AppRunner(server.app(), access_log=None)
@@ -372,8 +388,8 @@ async def _serve(args) -> None:
         tmp = pathlib.Path(args.port_file + ".tmp")
         tmp.write_text(str(port))
         tmp.replace(args.port_file)  # atomic: readers never see a partial file
-    log.info("serving %s on http://%s:%d (%d slots x %d tokens)", args.model, args.host, port, args.slots,
-             args.max_length)
+    log.info("serving %s on http://%s:%d (%d slots, context %d, KV pool %d tokens in pages of %d)", args.model,
+             args.host, port, args.slots, args.max_length, engine.max_total_tokens, engine.page_size)
     try:
         await asyncio.Event().wait()
     finally:
@@ -387,7 +403,10 @@ def main(argv=None) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
     parser.add_argument("--slots", type=int, default=8, help="decode slots (concurrent requests)")
-    parser.add_argument("--max-length", type=int, default=2048, help="tokens per slot (prompt + output)")
+    parser.add_argument("--max-length", type=int, default=2048, help="context length (prompt + output)")
+    parser.add_argument("--max-total-tokens", type=int, default=None,
+                        help="KV pool size in tokens (SGLang's max_total_num_tokens); default slots x max-length")
+    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
     parser.add_argument("--port-file", help="write the bound port here once ready")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -403,9 +422,11 @@ class LocalServer:
             generator = SGLangGenerator(server.url)
     """
 
-    def __init__(self, model: str = "tiny", *, slots: int = 4, max_length: int = 512, seed: int = 0,
+    def __init__(self, model: str = "tiny", *, slots: int = 4, max_length: int = 512,
+                 max_total_tokens: int | None = None, page_size: int = 16, seed: int = 0,
                  host: str = "127.0.0.1", startup_timeout_s: float = 300.0, env: dict | None = None):
         self.model, self.slots, self.max_length, self.seed, self.host = model, slots, max_length, seed, host
+        self.max_total_tokens, self.page_size = max_total_tokens, page_size
         self.startup_timeout_s = startup_timeout_s
         self.env = env
         self.process: subprocess.Popen | None = None
@@ -422,7 +443,9 @@ class LocalServer:
         self._log = open(os.path.join(self._tmp.name, "server.log"), "w+")
         cmd = [sys.executable, "-m", "rstar_jax.serve", "--model", self.model, "--host", self.host, "--port", "0",
                "--slots", str(self.slots), "--max-length", str(self.max_length), "--seed", str(self.seed),
-               "--port-file", port_file]
+               "--page-size", str(self.page_size), "--port-file", port_file]
+        if self.max_total_tokens is not None:
+            cmd += ["--max-total-tokens", str(self.max_total_tokens)]
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                         env={**os.environ, **(self.env or {})})
         deadline = time.monotonic() + self.startup_timeout_s

@@ -140,6 +140,9 @@ def test_bad_overrides_name_the_field(override, message):
     ("rl.micro_batch_tokens=4096", r"config.rl.micro_batch_tokens: must be >= rollout.max_prompt_length \+ "
                                    r"rollout.response_budget = 10240"),
     ("rollout.engine.max_length=9000", r"config.rollout.engine.max_length: must be >= .* = 10240"),
+    ("rollout.engine.max_total_tokens=4096", r"config.rollout.engine.max_total_tokens: must be 0 .* or >= "
+                                             r"rollout.engine.max_length \(10240\)"),
+    ("rollout.engine.page_size=0", r"config.rollout.engine.page_size: must be a positive integer, got 0"),
     ("rollout.temperature=0", r"config.rollout.temperature: must be in \(0.0, inf\]"),
     ("rollout.top_k=0", r"config.rollout.top_k: must be -1 \(off\) or a positive integer"),
     ("rollout.scheduler=random", r"config.rollout.scheduler: must be one of \('kv', 'round_robin'\)"),

@@ -124,6 +124,84 @@ def test_stop_tokens_and_context_limit(model, engine):
         asyncio.run(engine.generate(_prompt(96, 5), SamplingParams(max_new_tokens=2)))
 
 
+def test_overcommitted_pool_retracts_and_recomputes_without_changing_outputs(model, engine):
+    """Four requests in a 128-token pool that their outputs outgrow: the engine admits them on
+    SGLang's estimate, retracts under pressure and recomputes, and every output (greedy and seeded)
+    equals the roomy engine's; no page leaks."""
+    small = JaxEngine(model, slots=4, max_length=96, max_total_tokens=128, page_size=8,
+                      prefill_buckets=(16, 32, 64))
+    prompts = [_prompt(n, 40 + n) for n in (6, 9, 12, 7)]
+    params = [SamplingParams(max_new_tokens=70, temperature=0.0), SamplingParams(max_new_tokens=70, temperature=0.0),
+              SamplingParams(max_new_tokens=70, temperature=1.0, seed=7),
+              SamplingParams(max_new_tokens=66, temperature=0.8, top_k=20, seed=8)]
+
+    async def run(eng):
+        return await asyncio.gather(*[eng.generate(p, s) for p, s in zip(prompts, params)])
+
+    try:
+        assert asyncio.run(small.capacity()).total_tokens == 128
+        crowded, roomy = asyncio.run(run(small)), asyncio.run(run(engine))
+        assert small.retractions > 0 and sum(r.num_retractions for r in crowded) == small.retractions
+        for c, r, s in zip(crowded, roomy, params):
+            assert c.finish_reason == r.finish_reason == "length" and len(c.token_ids) == s.max_new_tokens
+            assert c.token_ids == r.token_ids
+            np.testing.assert_allclose(c.logprobs, r.logprobs, atol=1e-4)
+        assert all(r.num_retractions == 0 for r in roomy)
+        assert small.is_idle() and sorted(small._free_pages) == list(range(small.num_pages))
+        assert (small._page_table == small.num_pages).all()
+    finally:
+        small.close()
+
+
+def test_pause_retract_and_in_place_resume_where_they_stopped(model):
+    """retract frees the KV and recomputes on resume; in_place keeps it; both finish with the
+    output of an uninterrupted run. A weight update while paused swaps without draining."""
+    eng = JaxEngine(model, slots=2, max_length=256, prefill_buckets=(16, 256))
+    prompt = _prompt(6, 50)
+    params = SamplingParams(max_new_tokens=200, temperature=1.0, seed=3)
+    try:
+        expected = asyncio.run(eng.generate(prompt, params))
+
+        async def paused_run(mode):
+            task = asyncio.ensure_future(eng.generate(prompt, params, rid=f"{mode}"))
+            await _wait_for_tokens(eng, mode, 3)
+            assert eng.pause(mode) == 1
+            try:
+                with eng._lock:
+                    frozen = [len(r.tokens) for r in list(eng._active) + list(eng._retracted) if r is not None]
+                cap = await eng.capacity()
+                await asyncio.sleep(0.05)
+                with eng._lock:
+                    later = [len(r.tokens) for r in list(eng._active) + list(eng._retracted) if r is not None]
+                assert frozen == later and len(frozen) == 1 and frozen[0] < 200 and not task.done()
+            finally:
+                eng.resume()
+            return await task, cap
+
+        retracted, cap = asyncio.run(paused_run("retract"))
+        assert cap.retracted_requests == 1 and cap.running_requests == 0 and cap.used_tokens == 0
+        assert retracted.num_retractions == 1 and retracted.token_ids == expected.token_ids
+        held, cap = asyncio.run(paused_run("in_place"))
+        assert cap.running_requests == 1 and cap.used_tokens > 0 and cap.retracted_requests == 0
+        assert held.num_retractions == 0 and held.token_ids == expected.token_ids
+        np.testing.assert_allclose(retracted.logprobs, expected.logprobs, atol=1e-4)
+
+        async def update_while_paused_in_place():
+            task = asyncio.ensure_future(eng.generate(prompt, params, rid="swap"))
+            await _wait_for_tokens(eng, "swap", 3)
+            eng.pause("in_place")
+            version = await asyncio.wait_for(asyncio.to_thread(eng.update_weights, model), timeout=60)
+            eng.resume()
+            return version, await task
+
+        version, result = asyncio.run(update_while_paused_in_place())
+        assert version == 1 and result.weight_version == 1 and result.token_ids == expected.token_ids
+        with pytest.raises(ValueError, match="mode"):
+            eng.pause("freeze")
+    finally:
+        eng.close()
+
+
 def test_sampling_distribution_chi_square():
     logits = jnp.log(jnp.asarray([[0.05, 0.1, 0.15, 0.3, 0.4]]))
     n = 4000
@@ -180,14 +258,21 @@ def test_weight_update_changes_outputs_and_bumps_version(model):
         async def update_while_running(abort):
             task = asyncio.ensure_future(eng.generate(prompt, long, rid="feed0001"))
             await _wait_for_tokens(eng, "feed0001")
-            if abort:
-                with eng._lock:  # freeze between steps so the partial length is known
-                    produced = len(next(r for r in eng._active if r is not None).tokens)
-                    eng.update_weights(model, abort_in_flight=True)
-            else:
-                produced = None
+            if not abort:
                 await asyncio.to_thread(eng.update_weights, model)
-            return await task, produced
+                return await task, None
+            for _ in range(5):  # on a loaded machine the request can finish before the lock is taken
+                with eng._lock:  # freeze between steps so the partial length is known
+                    running = [r for r in eng._active if r is not None]
+                    if running:
+                        produced = len(running[0].tokens)
+                        eng.update_weights(model, abort_in_flight=True)
+                if running:
+                    return await task, produced
+                await task
+                task = asyncio.ensure_future(eng.generate(prompt, long, rid="feed0001"))
+                await _wait_for_tokens(eng, "feed0001")
+            raise AssertionError("the request never stayed running long enough to be aborted")
 
         # Default: the running request finishes on the old weights (`other`), then the swap happens.
         finished, _ = asyncio.run(update_while_running(abort=False))

@@ -61,6 +61,40 @@ def test_decode_rows_at_different_positions(model):
         np.testing.assert_allclose(step[1, 0], model(b)[0, 8], atol=1e-5, rtol=1e-5)
 
 
+@nnx.jit
+def _paged(model, ids, positions, cache, page_table):
+    return model.forward_with_paged_cache(ids, positions, cache, page_table)
+
+
+def test_paged_cache_with_scattered_pages_matches_full_forward(model):
+    """Two rows whose pages lie out of order in one pool that starts full of garbage; entries equal to
+    the pool size (9) are unallocated: nothing is written there and nothing read there reaches the
+    output, and pages no row holds are left untouched."""
+    num_pages, page_size, free = 9, 4, 9
+    with jax.default_matmul_precision("highest"):
+        a, b = _ids((1, 12), 3), _ids((1, 10), 4)
+        cache = model.init_paged_cache(num_pages, page_size)
+        garbage = 1e3 * jax.random.normal(jax.random.key(0), cache.k.shape)
+        cache = type(cache)(k=garbage, v=-garbage)
+        table = jnp.array([[7, 2, free, free], [3, 6, free, free]])
+        prompt = jnp.concatenate([a[:, :8], jnp.pad(b[:, :6], ((0, 0), (0, 2)))], axis=0)  # b padded 6 -> 8
+        logits, cache = _paged(model, prompt, jnp.broadcast_to(jnp.arange(8), (2, 8)), cache, table)
+        np.testing.assert_allclose(logits[0], model(a[:, :8])[0], atol=1e-4, rtol=1e-5)
+        np.testing.assert_allclose(logits[1, :6], model(b[:, :6])[0], atol=1e-4, rtol=1e-5)
+        table = jnp.array([[7, 2, 0, free], [3, 6, 8, free]])  # third pages allocated as the rows grow
+        pos, steps = jnp.array([8, 6]), []
+        for _ in range(4):
+            tokens = jnp.stack([a[0, pos[0]], b[0, pos[1]]])[:, None]
+            step, cache = _paged(model, tokens, pos[:, None], cache, table)
+            steps.append(step[:, 0])
+            pos = pos + 1
+        steps = jnp.stack(steps, axis=1)
+        np.testing.assert_allclose(steps[0], model(a)[0, 8:12], atol=1e-4, rtol=1e-5)
+        np.testing.assert_allclose(steps[1], model(b)[0, 6:10], atol=1e-4, rtol=1e-5)
+        untouched = jnp.array([1, 4, 5])
+        np.testing.assert_array_equal(cache.k[:, untouched], garbage[:, untouched])
+
+
 def test_greedy_generate_equals_stepwise_argmax(model):
     ids = _ids((2, 10), 3)
     lengths = jnp.array([10, 6])

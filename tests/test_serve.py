@@ -17,14 +17,14 @@ from rstar_jax.serve import LocalServer
 from tests.test_engine import _reference
 
 CONFIG = Qwen3Config.tiny()
-SLOTS, MAX_LENGTH = 2, 512
+SLOTS, MAX_LENGTH, POOL, PAGE = 2, 512, 768, 16  # a pool below slots x context: overcommitted
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 LONG = SamplingParams(max_new_tokens=480, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
 def server():
-    with LocalServer("tiny", slots=SLOTS, max_length=MAX_LENGTH, seed=0) as s:
+    with LocalServer("tiny", slots=SLOTS, max_length=MAX_LENGTH, max_total_tokens=POOL, page_size=PAGE, seed=0) as s:
         yield s
 
 
@@ -103,10 +103,10 @@ def test_info_load_health_and_memory_endpoints(server):
             return info, loads, capacity, await gen.health(), await gen.weight_version()
 
     info, loads, capacity, healthy, version = asyncio.run(run())
-    assert info["max_total_num_tokens"] == SLOTS * MAX_LENGTH == capacity.total_tokens
-    assert info["max_req_input_len"] == MAX_LENGTH - 1
-    assert info["internal_states"][0]["memory_usage"]["token_capacity"] == SLOTS * MAX_LENGTH
-    assert loads[0]["num_running_reqs"] == 0 and loads[0]["max_total_num_tokens"] == SLOTS * MAX_LENGTH
+    assert info["max_total_num_tokens"] == POOL == capacity.total_tokens and info["page_size"] == PAGE
+    assert info["max_req_input_len"] == MAX_LENGTH - 1 and info["max_running_requests"] == SLOTS
+    assert info["internal_states"][0]["memory_usage"]["token_capacity"] == POOL
+    assert loads[0]["num_running_reqs"] == 0 and loads[0]["max_total_num_tokens"] == POOL
     assert healthy and version == "0"
     status, text = _http(server, "GET", "/get_load")
     assert status == 200 and json.loads(text)[0]["num_reqs"] == 0
@@ -148,8 +148,31 @@ def test_pause_aborts_running_and_holds_new_requests(server):
     aborted, held, healthy_while_paused = asyncio.run(run())
     assert aborted.finish_reason == "abort" and held.finish_reason == "length" and len(held.token_ids) == 6
     assert not healthy_while_paused
-    status, text = _http(server, "POST", "/pause_generation", {"mode": "retract"})
-    assert status == 400 and "abort" in text
+    status, text = _http(server, "POST", "/pause_generation", {"mode": "freeze"})
+    assert status == 400 and "mode" in text and "retract" in text
+
+
+def test_pause_retract_recomputes_on_continue_and_reports_the_retraction(server):
+    """retract mode frees the running request's KV (the queue section of /v1/loads shows it); after
+    /continue_generation it is recomputed and ends with the output of an uninterrupted run."""
+    params = SamplingParams(max_new_tokens=200, temperature=1.0, seed=11)
+    prompt = _prompt(9, 6)
+
+    async def run():
+        async with SGLangGenerator(server.url) as gen:
+            expected = await gen.generate(prompt, params)
+            running = asyncio.ensure_future(gen.generate(prompt, params))
+            await _until_running(gen)
+            await gen.pause("retract")
+            status, text = await asyncio.to_thread(_http, server, "GET", "/v1/loads?include=queues")
+            await gen.resume()
+            return expected, await running, status, json.loads(text)["loads"][0]
+
+    expected, retracted, status, load = asyncio.run(run())
+    assert status == 200 and load["queues"]["retracted"] == 1 and load["num_running_reqs"] == 0
+    assert load["num_used_tokens"] == 0
+    assert retracted.num_retractions == 1 and expected.num_retractions == 0
+    assert retracted.finish_reason == "length" and retracted.token_ids == expected.token_ids
 
 
 def test_weight_sync_via_disk(server, tmp_path):

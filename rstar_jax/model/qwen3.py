@@ -219,6 +219,28 @@ class KVCache:
         return self.k.shape[2]
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedKVCache:
+    """A pool of fixed-size KV pages shared by all sequences: [layers, pages, page_size, kv_heads, head_dim].
+
+    A page table [batch, pages_per_sequence] maps row b's position p to page `table[b, p // page_size]`
+    at offset `p % page_size`. Entries >= `num_pages` mark pages not allocated: writes there are
+    dropped and reads are masked, so a sequence only holds the pages its length needs.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[2]
+
+
 # ---------------------------------------------------------------------------------------------
 # Pure building blocks (shared by the full forward and the cached forward).
 # ---------------------------------------------------------------------------------------------
@@ -407,31 +429,74 @@ class Qwen3(nnx.Module):
         shape = (c.num_layers, batch_size, max_length, c.num_kv_heads, c.head_dim)
         return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
 
+    def init_paged_cache(self, num_pages: int, page_size: int, dtype: str | None = None) -> PagedKVCache:
+        c = self.config
+        dt = _dtype(dtype or c.dtype)
+        shape = (c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
+        return PagedKVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
+
+    def _cached_forward(self, input_ids, positions, k_cache, v_cache, span: int, write_and_read):
+        """The layer stack over a KV store: `write_and_read(k_store, v_store, k, v)` writes the new
+        tokens' K/V and returns the updated stores plus every row's keys/values [B, span, kv_heads, hd]
+        indexed by absolute position; attention sees positions <= each token's own."""
+        c = self.config
+        h = self._embed(input_ids)
+        mask = jnp.arange(span)[None, None, :] <= positions[:, :, None]  # [B, T, span]
+
+        def layer(h, xs):
+            p, k_store, v_store = xs
+            x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
+            q, k, v = self._qkv(p, x, positions)
+            k_store, v_store, k_all, v_all = write_and_read(k_store, v_store, k, v)
+            attn = xla_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask)
+            return self._finish_layer(p, h, attn), (k_store, v_store)
+
+        h, (k_new, v_new) = jax.lax.scan(layer, h, (self._layer_params(), k_cache, v_cache))
+        h = rms_norm(h, self.final_norm[...], c.rms_norm_eps)
+        return self.logits_from_hidden(h), k_new, v_new
+
     def forward_with_cache(self, input_ids, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
         """Writes the new tokens' K/V at their absolute positions, attends to cache[<= position].
 
         input_ids, positions: [B, T]. Positions may differ per row (continuous batching); positions
         at or beyond the cache length are dropped (their outputs are meaningless).
         """
-        c = self.config
-        b, t = input_ids.shape
-        s = cache.max_length
-        h = self._embed(input_ids)
-        rows = jnp.arange(b)[:, None]
-        mask = jnp.arange(s)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+        rows = jnp.arange(input_ids.shape[0])[:, None]
 
-        def layer(h, xs):
-            p, k_cache, v_cache = xs
-            x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
-            q, k, v = self._qkv(p, x, positions)
+        def write_and_read(k_cache, v_cache, k, v):
             k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
             v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-            attn = xla_attention(q, k_cache.astype(q.dtype), v_cache.astype(q.dtype), mask)
-            return self._finish_layer(p, h, attn), (k_cache, v_cache)
+            return k_cache, v_cache, k_cache, v_cache
 
-        h, (k_new, v_new) = jax.lax.scan(layer, h, (self._layer_params(), cache.k, cache.v))
-        h = rms_norm(h, self.final_norm[...], c.rms_norm_eps)
-        return self.logits_from_hidden(h), KVCache(k=k_new, v=v_new)
+        logits, k, v = self._cached_forward(input_ids, positions, cache.k, cache.v, cache.max_length, write_and_read)
+        return logits, KVCache(k=k, v=v)
+
+    def forward_with_paged_cache(self, input_ids, positions, cache: PagedKVCache,
+                                 page_table: jax.Array) -> tuple[jax.Array, PagedKVCache]:
+        """`forward_with_cache` over a shared page pool; page_table [B, pages_per_sequence] (see PagedKVCache).
+
+        Each row reads its pages back in order (a gather of pages_per_sequence * page_size positions),
+        so the attention is the dense one over that row's span. Positions whose page is not allocated,
+        or beyond the span, write nothing.
+        """
+        b, pages_per_sequence = page_table.shape
+        page_size = cache.page_size
+        span = pages_per_sequence * page_size
+        page_index = jnp.minimum(positions // page_size, pages_per_sequence - 1)
+        write_page = jnp.take_along_axis(page_table, page_index, axis=1)
+        write_page = jnp.where((positions >= 0) & (positions < span), write_page, cache.num_pages)
+        offset = positions % page_size
+
+        def write_and_read(k_pool, v_pool, k, v):
+            k_pool = k_pool.at[write_page, offset].set(k.astype(k_pool.dtype), mode="drop")
+            v_pool = v_pool.at[write_page, offset].set(v.astype(v_pool.dtype), mode="drop")
+            # Unallocated entries are clipped onto a real page; the mask hides what they read.
+            k_seq = k_pool.at[page_table].get(mode="clip").reshape(b, span, *k_pool.shape[2:])
+            v_seq = v_pool.at[page_table].get(mode="clip").reshape(b, span, *v_pool.shape[2:])
+            return k_pool, v_pool, k_seq, v_seq
+
+        logits, k, v = self._cached_forward(input_ids, positions, cache.k, cache.v, span, write_and_read)
+        return logits, PagedKVCache(k=k, v=v)
 
 
 def param_logical_axes(model: Qwen3) -> dict[str, tuple[str, ...]]:
@@ -462,6 +527,6 @@ def sequence_positions(segment_ids: jax.Array) -> jax.Array:
 
 
 __all__: Sequence[str] = (
-    "Qwen3Config", "Qwen3", "KVCache", "abstract_model", "param_logical_axes", "sequence_positions",
+    "Qwen3Config", "Qwen3", "KVCache", "PagedKVCache", "abstract_model", "param_logical_axes", "sequence_positions",
     "REMAT_POLICIES", "ATTENTION_IMPLS",
 )

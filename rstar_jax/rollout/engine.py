@@ -1,29 +1,49 @@
-"""In-process JAX generation engine with continuous batching over a preallocated KV cache.
+"""In-process JAX generation engine with continuous batching over a paged KV pool.
 
-A fixed number of decode slots share one KV cache ([layers, slots, max_length, kv_heads, head_dim]).
-A background thread runs the engine loop: it admits waiting requests into free slots (prefill of
-that slot's row, prompt lengths bucketed to limit recompiles) and then runs one jitted decode step
-for every slot, so new requests are prefilled while others decode. Per-slot sampling settings are
-arrays (temperature, top-p, top-k are traced, never static). The asyncio front
-(`await engine.generate(...)`) implements `rstar_jax.rollout.protocol.Generator`.
+A fixed number of decode slots share one pool of KV pages ([layers, pages, page_size, kv_heads,
+head_dim], `max_total_tokens` in all, SGLang's `max_total_num_tokens`). A sequence holds only the
+pages its length needs, so many short sequences fit where a dense [slots, max_length] cache would
+hold few, and the pool can be smaller than slots x max_length. A background thread runs the engine
+loop: it admits waiting requests into free slots (prefill of the request's pages, prompt lengths
+bucketed to limit recompiles) and then runs one jitted decode step for every slot, so new requests
+are prefilled while others decode. Per-slot sampling settings are arrays (temperature, top-p,
+top-k are traced, never static). The asyncio front (`await engine.generate(...)`) implements
+`rstar_jax.rollout.protocol.Generator`.
+
+Admission and retraction follow SGLang's scheduler. A request is admitted when its context plus
+`new_token_ratio` x its remaining output budget fits beside the same estimate for every running
+request. The ratio starts at 0.7 and decays by 0.001 per decode step to 0.098, so the pool is
+overcommitted on purpose. When a decode step needs a page and none is free, the running request
+with the fewest output tokens (then the longest prompt) is retracted: its pages are freed, it keeps
+its tokens, and it goes back to the front of the queue. When it is re-admitted, prompt + output is
+prefilled again (recomputed) and decoding goes on. The ratio then rises to SGLang's estimate.
+Results count their retractions (`num_retractions`). Seeded rows draw per-position keys, so a
+retracted request samples exactly what it would have sampled without retraction.
 
 Log-probs match SGLang (see `rstar_jax.rollout.sampling`): log-softmax of the temperature-scaled
 logits at the sampled token, before top-p / top-k truncation; `original_logprobs=True` gives the raw
 logits' log-softmax (SGLANG_RETURN_ORIGINAL_LOGPROB). Greedy rows and temperature 1 give the raw
 log-softmax either way, which is what the trainer recomputes.
 
-Weight updates (`update_weights`) follow SGLang's `/update_weights_from_disk`: by default the call
-stops admitting new requests, lets every running request finish on the old weights, swaps the
-parameters and bumps the version (queued requests then run on the new weights). With
-`abort_in_flight=True` (SGLang's `abort_all_requests`) running requests finish at once with reason
-"abort" and their partial tokens, and the swap happens between two engine steps. `pause()` is
-SGLang's `/pause_generation` in abort mode: it aborts everything and holds new requests queued
-until `resume()`.
+Weight updates (`update_weights`) follow SGLang's `/update_weights_from_disk`. By default the call
+stops admitting new requests, lets every running (and retracted) request finish on the old weights,
+swaps the parameters and bumps the version; queued requests then run on the new weights. With
+`abort_in_flight=True` (SGLang's `abort_all_requests`), running and retracted requests finish at once
+with reason "abort" and their partial tokens, and the swap happens between two engine steps.
+
+`pause(mode)` is SGLang's `/pause_generation`; new requests stay queued until `resume()`:
+- "abort" aborts everything.
+- "retract" moves running requests back to the queue and frees their KV; they are recomputed on
+  resume, on whatever weights are current then.
+- "in_place" freezes running requests with their KV kept.
+While paused, a weight update swaps at once without draining (SGLang skips its update lock then), so
+requests held in place continue on the new weights over KV computed with the old ones.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import itertools
 import queue
@@ -36,21 +56,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rstar_jax.model.qwen3 import KVCache, Qwen3
+from rstar_jax.model.qwen3 import PagedKVCache, Qwen3
 from rstar_jax.rollout.protocol import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Capacity, GenerateResult, SamplingParams
 from rstar_jax.rollout.sampling import row_keys, sample_tokens
 
 MAX_STOP_IDS = 8
+PAUSE_MODES = ("abort", "retract", "in_place")
+# SGLang's defaults: SGLANG_INIT_NEW_TOKEN_RATIO 0.7, a floor of 0.14 x that, reached in 600 steps.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.7 * 0.14
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
+RETRACT_DECODE_STEPS = 20  # SGLang's headroom per running request in the post-retraction estimate
 
 
-def cache_sharding(mesh: jax.sharding.Mesh, slots: int, kv_heads: int) -> jax.sharding.NamedSharding:
-    """KV cache [layers, slots, length, kv_heads, head_dim] placement: slots over the data-parallel
-    axes and KV heads over "tensor" (as the attention activations are), each only when it divides."""
-    data_axes = tuple(a for a in ("data", "fsdp") if a in mesh.shape)
-    data_size = int(np.prod([mesh.shape[a] for a in data_axes])) if data_axes else 1
+def pool_sharding(mesh: jax.sharding.Mesh, kv_heads: int) -> jax.sharding.NamedSharding:
+    """KV page pool [layers, pages, page_size, kv_heads, head_dim] placement: KV heads over "tensor"
+    (as the attention activations are) when it divides. Any slot may own any page, so pages are not
+    split over the data-parallel axes; scale data parallelism with more engines instead."""
     tensor = mesh.shape.get("tensor", 1)
-    spec = jax.sharding.PartitionSpec(None, data_axes if data_axes and slots % data_size == 0 else None, None,
-                                      "tensor" if tensor > 1 and kv_heads % tensor == 0 else None, None)
+    spec = jax.sharding.PartitionSpec(None, None, None, "tensor" if tensor > 1 and kv_heads % tensor == 0 else None,
+                                      None)
     return jax.sharding.NamedSharding(mesh, spec)
 
 
@@ -63,8 +88,12 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
-    aborted: bool = False
+    retractions: int = 0
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
+
+    @property
+    def context_length(self) -> int:
+        return len(self.prompt) + len(self.tokens)
 
 
 def _row_seed(sampling: SamplingParams) -> int:
@@ -73,53 +102,73 @@ def _row_seed(sampling: SamplingParams) -> int:
 
 
 class JaxEngine:
-    """Continuous-batching generator over a Qwen3 model. Thread-safe; asyncio front end."""
+    """Continuous-batching generator over a Qwen3 model. Thread-safe; asyncio front end.
+
+    slots: concurrent requests (SGLang's max_running_requests). max_length: context length, prompt
+    + output of one request. max_total_tokens: the KV pool in tokens (default slots x max_length,
+    never overcommitted); at least max_length, so one request always fits. page_size: tokens per page.
+    """
 
     name = "jax"
 
     def __init__(self, model: Qwen3, *, slots: int = 8, max_length: int = 2048,
+                 max_total_tokens: int | None = None, page_size: int = 16,
                  prefill_buckets: Sequence[int] = (64, 128, 256, 512, 1024, 2048, 4096, 8192),
                  seed: int = 0, cache_dtype: str | None = None, original_logprobs: bool = False,
                  mesh: jax.sharding.Mesh | None = None):
         if slots < 1 or max_length < 2:
             raise ValueError(f"JaxEngine: slots ({slots}) must be >= 1 and max_length ({max_length}) >= 2")
+        if page_size < 1:
+            raise ValueError(f"JaxEngine: page_size must be >= 1, got {page_size}")
+        total = slots * max_length if max_total_tokens is None else int(max_total_tokens)
+        if total < max_length:
+            raise ValueError(f"JaxEngine: max_total_tokens ({total}) must be >= max_length ({max_length}) "
+                             f"so that one request always fits")
         self.slots = slots
         self.max_length = max_length
+        self.page_size = page_size
+        self.pages_per_sequence = -(-max_length // page_size)
+        self.num_pages = -(-total // page_size)
+        self.max_total_tokens = self.num_pages * page_size
+        self._span = self.pages_per_sequence * page_size  # positions a page-table row addresses
         self.vocab_size = model.config.vocab_size
         self.buckets = sorted({min(b, max_length) for b in prefill_buckets} | {max_length})
         self._graphdef, self._state = nnx.split(model)
-        self._cache = model.init_cache(slots, max_length, cache_dtype)
+        self._cache = model.init_paged_cache(self.num_pages, page_size, cache_dtype)
         if mesh is not None:
-            self._cache = jax.device_put(self._cache, cache_sharding(mesh, slots, model.config.num_kv_heads))
+            self._cache = jax.device_put(self._cache, pool_sharding(mesh, model.config.num_kv_heads))
+        self._free_pages = list(range(self.num_pages - 1, -1, -1))  # a stack: pop() takes the lowest
+        self._slot_pages: list[list[int]] = [[] for _ in range(slots)]
+        self._page_table = np.full((slots, self.pages_per_sequence), self.num_pages, np.int32)  # unallocated
         self._key = jax.random.key(seed)
         self._version = 0
-        self._waiting: queue.Queue[_Request] = queue.Queue()
+        self._incoming: queue.Queue[_Request] = queue.Queue()  # from the event loop; drained by the engine
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._retracted: collections.deque[_Request] = collections.deque()  # admitted before new requests
         self._active: list[_Request | None] = [None] * slots
         self._positions = np.zeros(slots, np.int32)  # next position to write per slot
         self._last_token = np.zeros(slots, np.int32)
+        self._new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._lock = threading.RLock()  # held for a whole engine step and for weight swaps
         self._wake = threading.Event()
         self._stopped = False
         self._abort_rids: set[str] = set()
         self._original_logprobs = original_logprobs
-        self._admission_blocks = 0  # > 0 while paused or while a weight update drains running requests
-        self._paused = False
+        self._admission_blocks = 0  # > 0 while a weight update drains running requests
+        self._pause_mode: str | None = None
         self._thread = threading.Thread(target=self._run, name="jax-engine", daemon=True)
         self._rid_counter = itertools.count()
         self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
         self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
         self.steps = 0
+        self.retractions = 0  # requests retracted so far (all of them)
         self._thread.start()
 
     # -- jitted kernels -----------------------------------------------------------------------
-    def _prefill_fn(self, state, cache: KVCache, slot, ids, length, key, seed, temperature, top_p, top_k):
+    def _prefill_fn(self, state, cache: PagedKVCache, table_row, ids, length, key, seed, temperature, top_p, top_k):
         model = nnx.merge(self._graphdef, state)
-        row = KVCache(k=jax.lax.dynamic_slice_in_dim(cache.k, slot, 1, axis=1),
-                      v=jax.lax.dynamic_slice_in_dim(cache.v, slot, 1, axis=1))
         positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
-        logits, row = model.forward_with_cache(ids, positions, row)
-        cache = KVCache(k=jax.lax.dynamic_update_slice_in_dim(cache.k, row.k, slot, axis=1),
-                        v=jax.lax.dynamic_update_slice_in_dim(cache.v, row.v, slot, axis=1))
+        logits, cache = model.forward_with_paged_cache(ids, positions, cache, table_row[None, :])
         last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, axis=0, keepdims=True)  # [1, V]
         # The first sampled token sits at absolute position `length`.
         keys = row_keys(key, seed[None], length[None])
@@ -127,9 +176,10 @@ class JaxEngine:
                                        original=self._original_logprobs)
         return cache, token[0], logprob[0]
 
-    def _decode_fn(self, state, cache: KVCache, tokens, positions, key, seeds, temperature, top_p, top_k):
+    def _decode_fn(self, state, cache: PagedKVCache, page_table, tokens, positions, key, seeds, temperature,
+                   top_p, top_k):
         model = nnx.merge(self._graphdef, state)
-        logits, cache = model.forward_with_cache(tokens[:, None], positions[:, None], cache)
+        logits, cache = model.forward_with_paged_cache(tokens[:, None], positions[:, None], cache, page_table)
         logits = logits[:, 0]
         keys = row_keys(key, seeds, positions + 1)  # the sampled token's absolute position
         next_tokens, logprobs = sample_tokens(logits, keys, temperature, top_p, top_k,
@@ -155,7 +205,7 @@ class JaxEngine:
             raise ValueError(f"generate: at most {MAX_STOP_IDS} stop token ids, got {len(sampling.stop_token_ids)}")
         loop = asyncio.get_running_loop()
         request = _Request(rid or f"{next(self._rid_counter):016x}", prompt, sampling, loop.create_future(), loop)
-        self._waiting.put(request)
+        self._incoming.put(request)
         self._wake.set()
         try:
             return await asyncio.shield(request.future)
@@ -172,17 +222,20 @@ class JaxEngine:
 
     async def capacity(self) -> Capacity:
         with self._lock:
-            running = [r for r in self._active if r is not None]
-            used = int(sum(self._positions[i] for i, r in enumerate(self._active) if r is not None))
-        return Capacity(total_tokens=self.slots * self.max_length, used_tokens=used,
-                        running_requests=len(running), queued_requests=self._waiting.qsize())
+            running = sum(r is not None for r in self._active)
+            used = (self.num_pages - len(self._free_pages)) * self.page_size
+            queued = len(self._waiting) + len(self._retracted) + self._incoming.qsize()
+            retracted = len(self._retracted)
+        return Capacity(total_tokens=self.max_total_tokens, used_tokens=used, running_requests=running,
+                        queued_requests=queued, retracted_requests=retracted)
 
     def update_weights(self, model_or_state, *, abort_in_flight: bool = False, version: int | None = None) -> int:
         """Swaps in new parameters (a `Qwen3` or its `nnx.State`) and returns the new version.
 
         Parameters are resharded onto the engine's placements when they live elsewhere. Without
-        `abort_in_flight`, running requests finish on the old weights first (new ones wait); with it
-        they end at once with reason "abort" and their partial tokens. Blocks until the swap is done.
+        `abort_in_flight`, running and retracted requests finish on the old weights first (new ones
+        wait); with it they end at once with reason "abort" and their partial tokens. While the engine
+        is paused the swap happens at once. Blocks until the swap is done.
         """
         state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
         if jax.tree.structure(state) != jax.tree.structure(self._state):
@@ -200,10 +253,9 @@ class JaxEngine:
             while True:
                 with self._lock:
                     if abort_in_flight:
-                        for slot, request in enumerate(self._active):
-                            if request is not None:
-                                self._finish(slot, FINISH_ABORT)
-                    if all(r is None for r in self._active):
+                        self._abort_in_flight()
+                    drained = all(r is None for r in self._active) and not self._retracted
+                    if drained or self._pause_mode is not None:
                         self._state = new_state
                         self._version = self._version + 1 if version is None else int(version)
                         return self._version
@@ -214,43 +266,43 @@ class JaxEngine:
                 self._admission_blocks -= 1
             self._wake.set()
 
-    def pause(self) -> int:
-        """SGLang's pause in abort mode: aborts running and queued requests, holds new ones queued.
+    def pause(self, mode: str = "abort") -> int:
+        """SGLang's `/pause_generation`: "abort", "retract" or "in_place" (see the module docstring).
 
-        Returns how many requests were aborted."""
+        New requests stay queued until `resume()`. Returns how many requests were aborted, retracted
+        or frozen."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause: mode must be one of {PAUSE_MODES}, got {mode!r}")
         with self._lock:
-            if not self._paused:
-                self._paused = True
-                self._admission_blocks += 1
-            aborted = 0
-            for slot, request in enumerate(self._active):
-                if request is not None:
-                    self._finish(slot, FINISH_ABORT)
-                    aborted += 1
-            while True:
-                try:
-                    self._resolve(self._waiting.get_nowait(), FINISH_ABORT)
-                    aborted += 1
-                except queue.Empty:
-                    break
-        return aborted
+            self._drain_incoming()
+            self._pause_mode = mode
+            running = [slot for slot, r in enumerate(self._active) if r is not None]
+            if mode == "abort":
+                affected = self._abort_in_flight()
+                while self._waiting:
+                    self._resolve(self._waiting.popleft(), FINISH_ABORT)
+                    affected += 1
+                return affected
+            if mode == "retract":
+                for slot in reversed(running):  # appendleft: the earliest slot ends up first
+                    self._retract(slot)
+            return len(running)
 
     def resume(self) -> None:
-        """Ends a pause: queued requests are admitted again."""
+        """Ends a pause: retracted and queued requests are admitted again, frozen ones go on decoding."""
         with self._lock:
-            if self._paused:
-                self._paused = False
-                self._admission_blocks -= 1
+            self._pause_mode = None
         self._wake.set()
 
     @property
     def paused(self) -> bool:
-        return self._paused
+        return self._pause_mode is not None
 
     def abort_all(self) -> int:
         """Aborts every running and queued request (they return their partial tokens); returns how many."""
         with self._lock:
-            count = sum(r is not None for r in self._active) + self._waiting.qsize()
+            count = (sum(r is not None for r in self._active) + len(self._waiting) + len(self._retracted)
+                     + self._incoming.qsize())
             self._abort_rids.add("")  # the empty prefix matches every rid
         self._wake.set()
         return count
@@ -258,7 +310,8 @@ class JaxEngine:
     def is_idle(self) -> bool:
         """True when no request is running or queued."""
         with self._lock:
-            return all(r is None for r in self._active) and self._waiting.empty()
+            return (all(r is None for r in self._active) and not self._waiting and not self._retracted
+                    and self._incoming.empty())
 
     def close(self) -> None:
         self._stopped = True
@@ -271,14 +324,40 @@ class JaxEngine:
         return key
 
     def _resolve(self, request: _Request, reason: str) -> None:
-        result = GenerateResult(list(request.tokens), list(request.logprobs), reason, self._version)
+        result = GenerateResult(list(request.tokens), list(request.logprobs), reason, self._version,
+                                num_retractions=request.retractions)
         request.loop.call_soon_threadsafe(lambda: request.future.done() or request.future.set_result(result))
 
-    def _finish(self, slot: int, reason: str) -> None:
+    def _free_slot(self, slot: int) -> _Request:
         request = self._active[slot]
         self._active[slot] = None
         self._positions[slot] = 0
-        self._resolve(request, reason)
+        self._free_pages.extend(reversed(self._slot_pages[slot]))
+        self._slot_pages[slot] = []
+        self._page_table[slot] = self.num_pages
+        return request
+
+    def _finish(self, slot: int, reason: str) -> None:
+        self._resolve(self._free_slot(slot), reason)
+
+    def _retract(self, slot: int) -> None:
+        """Frees the slot's pages and puts its request at the front of the queue, tokens kept."""
+        request = self._free_slot(slot)
+        request.retractions += 1
+        self.retractions += 1
+        self._retracted.appendleft(request)
+
+    def _abort_in_flight(self) -> int:
+        """Aborts running and retracted requests (they return their partial tokens)."""
+        count = 0
+        for slot, request in enumerate(self._active):
+            if request is not None:
+                self._finish(slot, FINISH_ABORT)
+                count += 1
+        while self._retracted:
+            self._resolve(self._retracted.popleft(), FINISH_ABORT)
+            count += 1
+        return count
 
     def _check_stop(self, slot: int) -> None:
         request = self._active[slot]
@@ -286,8 +365,15 @@ class JaxEngine:
         if request.tokens[-1] in s.stop_token_ids:
             self._finish(slot, FINISH_STOP)
         elif len(request.tokens) >= s.max_new_tokens or self._positions[slot] + 1 >= self.max_length:
-            # The sequence (prompt + output) fills the cache: the last token could not be fed back.
+            # The sequence (prompt + output) fills the context: the last token could not be fed back.
             self._finish(slot, FINISH_LENGTH)
+
+    def _drain_incoming(self) -> None:
+        while True:
+            try:
+                self._waiting.append(self._incoming.get_nowait())
+            except queue.Empty:
+                return
 
     def _apply_aborts(self) -> None:
         if not self._abort_rids:
@@ -297,61 +383,115 @@ class JaxEngine:
         for slot, request in enumerate(self._active):
             if request is not None and request.rid.startswith(prefixes):
                 self._finish(slot, FINISH_ABORT)
-        kept = []
-        while True:
-            try:
-                request = self._waiting.get_nowait()
-            except queue.Empty:
-                break
-            if request.rid.startswith(prefixes):
-                self._resolve(request, FINISH_ABORT)
-            else:
-                kept.append(request)
-        for request in kept:
-            self._waiting.put(request)
+        for waiting in (self._retracted, self._waiting):
+            kept = [r for r in waiting if not r.rid.startswith(prefixes)]
+            for request in waiting:
+                if request.rid.startswith(prefixes):
+                    self._resolve(request, FINISH_ABORT)
+            waiting.clear()
+            waiting.extend(kept)
+
+    def _remaining_budget(self, request: _Request) -> int:
+        """Tokens the request may still generate: its max_new_tokens left, within the context length."""
+        return max(0, min(request.sampling.max_new_tokens - len(request.tokens),
+                          self.max_length - request.context_length))
+
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
 
     def _admit(self) -> None:
-        if self._admission_blocks:
+        """Fills free slots, retracted requests first, while SGLang's estimate of the pool fits them."""
+        if self._pause_mode is not None:
             return
+        running = [r for r in self._active if r is not None]
+        ratio = self._new_token_ratio
+        reserved = ratio * sum(self._remaining_budget(r) for r in running)
         for slot in range(self.slots):
             if self._active[slot] is not None:
                 continue
-            try:
-                request = self._waiting.get_nowait()
-            except queue.Empty:
+            if self._retracted:
+                source = self._retracted  # retracted requests are in flight: a weight drain admits them
+            elif self._waiting and not self._admission_blocks:
+                source = self._waiting
+            else:
                 return
-            n = len(request.prompt)
-            bucket = next(b for b in self.buckets if b >= n)
-            ids = np.zeros((1, bucket), np.int32)
-            ids[0, :n] = request.prompt
-            s = request.sampling
-            self._cache, token, logprob = self._prefill(
-                self._state, self._cache, jnp.int32(slot), jnp.asarray(ids), jnp.int32(n), self._next_key(),
-                jnp.int32(_row_seed(s)), jnp.float32(s.temperature), jnp.float32(s.top_p), jnp.int32(s.top_k))
-            self._active[slot] = request
-            self._positions[slot] = n
-            request.tokens.append(int(token))
-            request.logprobs.append(float(logprob))
-            self._last_token[slot] = int(token)
-            self._check_stop(slot)
+            request = source[0]
+            context = request.context_length
+            pages = self._pages_for(context)
+            estimate = ratio * self._remaining_budget(request)
+            if running and (pages > len(self._free_pages)
+                            or pages * self.page_size + estimate > len(self._free_pages) * self.page_size - reserved):
+                return  # first come, first served: nothing overtakes the head of the queue
+            source.popleft()
+            self._prefill_into(slot, request, pages)
+            if self._active[slot] is not None:  # not already finished by its first token
+                running.append(request)
+                reserved += estimate
+
+    def _prefill_into(self, slot: int, request: _Request, pages: int) -> None:
+        """Prefills prompt + output so far (recomputing a retracted request) and samples one token."""
+        self._slot_pages[slot] = [self._free_pages.pop() for _ in range(pages)]
+        self._page_table[slot, :pages] = self._slot_pages[slot]
+        context = request.prompt + request.tokens
+        n = len(context)
+        bucket = next(b for b in self.buckets if b >= n)
+        ids = np.zeros((1, bucket), np.int32)
+        ids[0, :n] = context
+        s = request.sampling
+        self._cache, token, logprob = self._prefill(
+            self._state, self._cache, jnp.asarray(self._page_table[slot]), jnp.asarray(ids), jnp.int32(n),
+            self._next_key(), jnp.int32(_row_seed(s)), jnp.float32(s.temperature), jnp.float32(s.top_p),
+            jnp.int32(s.top_k))
+        self._active[slot] = request
+        self._positions[slot] = n
+        request.tokens.append(int(token))
+        request.logprobs.append(float(logprob))
+        self._last_token[slot] = int(token)
+        self._check_stop(slot)
+
+    def _grow_pages(self) -> None:
+        """Gives every running request the page its next position needs, retracting when the pool is out."""
+        needy = [i for i, r in enumerate(self._active)
+                 if r is not None and self._positions[i] // self.page_size >= len(self._slot_pages[i])]
+        if len(needy) > len(self._free_pages):
+            while len(needy) > len(self._free_pages):
+                running = [i for i, r in enumerate(self._active) if r is not None]
+                victim = min(running, key=lambda i: (len(self._active[i].tokens), -len(self._active[i].prompt)))
+                self._retract(victim)
+                if victim in needy:
+                    needy.remove(victim)
+            remaining = [r for r in self._active if r is not None]
+            if remaining:  # SGLang's post-retraction estimate of the share of the budget still to come
+                decoded = sum(len(r.tokens) for r in remaining) + RETRACT_DECODE_STEPS * len(remaining)
+                budget = sum(r.sampling.max_new_tokens for r in remaining)
+                self._new_token_ratio = min(1.0, decoded / max(budget, 1))
+            else:
+                self._new_token_ratio = INIT_NEW_TOKEN_RATIO
+        for i in needy:
+            page = self._free_pages.pop()
+            self._page_table[i, len(self._slot_pages[i])] = page
+            self._slot_pages[i].append(page)
 
     def _decode_step(self) -> None:
-        active = [i for i, r in enumerate(self._active) if r is not None]
-        if not active:
+        if self._pause_mode is not None or all(r is None for r in self._active):
             return
+        self._grow_pages()
+        active = [i for i, r in enumerate(self._active) if r is not None]
         temperature = np.ones(self.slots, np.float32)
         top_p = np.ones(self.slots, np.float32)
         top_k = np.zeros(self.slots, np.int32)
         seeds = np.full(self.slots, -1, np.int32)
-        positions = np.full(self.slots, self.max_length, np.int32)  # idle slots: writes are dropped
+        positions = np.full(self.slots, self._span, np.int32)  # idle slots: writes are dropped
         for i in active:
             s = self._active[i].sampling
             temperature[i], top_p[i], top_k[i], seeds[i] = s.temperature, s.top_p, s.top_k, _row_seed(s)
             positions[i] = self._positions[i]
         self._cache, tokens, logprobs = self._decode(
-            self._state, self._cache, jnp.asarray(self._last_token), jnp.asarray(positions), self._next_key(),
-            jnp.asarray(seeds), jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k))
+            self._state, self._cache, jnp.asarray(self._page_table), jnp.asarray(self._last_token),
+            jnp.asarray(positions), self._next_key(), jnp.asarray(seeds), jnp.asarray(temperature),
+            jnp.asarray(top_p), jnp.asarray(top_k))
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        self._new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self._new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         for i in active:
             request = self._active[i]
             request.tokens.append(int(tokens[i]))
@@ -363,18 +503,23 @@ class JaxEngine:
     def _run(self) -> None:
         while not self._stopped:
             with self._lock:
+                self._drain_incoming()
                 self._apply_aborts()
                 self._admit()
                 self._decode_step()
                 self.steps += 1
-                running = any(r is not None for r in self._active)
-                busy = running or (not self._waiting.empty() and not self._admission_blocks)
+                if self._pause_mode is not None:
+                    busy = False
+                else:
+                    busy = (any(r is not None for r in self._active) or bool(self._retracted)
+                            or (bool(self._waiting) and not self._admission_blocks))
             if not busy:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
+            else:
+                time.sleep(0)  # let a thread waiting on the lock (capacity, pause, updates) take it
         with self._lock:
-            for slot, request in enumerate(self._active):
-                if request is not None:
-                    self._finish(slot, FINISH_ABORT)
-            while not self._waiting.empty():
-                self._resolve(self._waiting.get_nowait(), FINISH_ABORT)
+            self._drain_incoming()
+            self._abort_in_flight()
+            while self._waiting:
+                self._resolve(self._waiting.popleft(), FINISH_ABORT)

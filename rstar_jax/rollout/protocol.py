@@ -52,6 +52,7 @@ class GenerateResult:
     logprobs: list[float]  # log p(token | context) under the sampling distribution's model logits
     finish_reason: str  # one of FINISH_REASONS
     weight_version: int = 0  # policy version that produced the tokens (the last one, if it changed)
+    num_retractions: int = 0  # times KV pressure retracted the request (its tokens were recomputed)
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
@@ -70,6 +71,7 @@ class Capacity:
     used_tokens: int = 0
     running_requests: int = 0
     queued_requests: int = 0
+    retracted_requests: int = 0  # queued requests holding partial output after a retraction
 
 
 @runtime_checkable

@@ -52,7 +52,7 @@ def parse_weight_version(value: Any) -> int | None:
 
 
 def parse_generate_response(body: dict, *, url: str = "server") -> GenerateResult:
-    """Turns one `/generate` JSON object (sglang_api §3.3) into a GenerateResult."""
+    """Turns one `/generate` JSON object (SGLang's non-streaming response) into a GenerateResult."""
     try:
         meta = body["meta_info"]
         output_ids = [int(t) for t in body["output_ids"]]
@@ -76,7 +76,8 @@ def parse_generate_response(body: dict, *, url: str = "server") -> GenerateResul
     if reason not in FINISH_REASONS:
         raise SGLangError(f"{url}: unknown finish_reason {finish!r}")
     version = parse_weight_version(meta.get("weight_version"))
-    return GenerateResult(output_ids, logprobs, reason, version if version is not None else 0)
+    return GenerateResult(output_ids, logprobs, reason, version if version is not None else 0,
+                          num_retractions=int(meta.get("num_retractions") or 0))
 
 
 def sampling_payload(sampling: SamplingParams) -> dict:
@@ -244,7 +245,8 @@ class SGLangGenerator:
         raise SGLangError(f"{self.base_url}/flush_cache: still busy after {attempts} attempts: {body}")
 
     async def pause(self, mode: str = "abort") -> None:
-        """Pauses generation; in "abort" mode running requests return partial output and new ones wait."""
+        """Pauses generation; new requests wait. "abort": running requests return partial output;
+        "retract": they go back to the queue and are recomputed after `resume`; "in_place": they freeze."""
         await self._request("POST", "/pause_generation", {"mode": mode})
 
     async def resume(self) -> None:

@@ -201,7 +201,9 @@ def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWrit
         chunk_size=rl.logprob_chunk_size,
         max_concurrency=r.max_concurrency,
     )
-    engine = (JaxEngine(model, slots=r.engine.slots, max_length=r.engine.max_length, seed=config.seed)
+    engine = (JaxEngine(model, slots=r.engine.slots, max_length=r.engine.max_length,
+                        max_total_tokens=r.engine.max_total_tokens or None, page_size=r.engine.page_size,
+                        seed=config.seed)
               if r.backend == "jax" else None)
     opt_config = OptimizerConfig(lr=config.optim.lr, warmup_steps=config.optim.warmup_steps,
                                  schedule=config.optim.schedule, total_steps=config.train.steps)
@@ -268,8 +270,10 @@ def run_rl(config, model, tokenizer, template, train_files, metrics: MetricsWrit
                 # Single-node SGLang-style topology: our own `rstar_jax.serve` processes, started from
                 # the current policy and stopped with the run.
                 initial = save_pretrained(model, pathlib.Path(config.run_dir) / "weights_sync")
-                urls = [servers.enter_context(LocalServer(str(initial), slots=r.engine.slots,
-                                                          max_length=r.engine.max_length, seed=config.seed)).url
+                urls = [servers.enter_context(LocalServer(
+                            str(initial), slots=r.engine.slots, max_length=r.engine.max_length,
+                            max_total_tokens=r.engine.max_total_tokens or None, page_size=r.engine.page_size,
+                            seed=config.seed)).url
                         for _ in range(r.local_servers)]
                 print(f"[rl] generator servers: {' '.join(urls)}", flush=True)
             targets = [local.target] if local is not None else list(config.sandbox.targets)
