@@ -1,16 +1,24 @@
 """Rollout makespan: KV-aware dynamic scheduling vs static round-robin over several engine servers.
 
 Starts N `python -m rstar_jax.serve` servers (random-init preset) on loopback and replays one
-long-tailed multi-turn workload twice over the same warm servers through the SGLang client:
-once placed by `RoundRobinScheduler` (static: trajectory i -> server i mod N, all submitted at
-once, servers queue them) and once by `KvScheduler` (admit on the server with the most free KV
-budget when the trajectory's worst-case footprint fits, sticky, refill on release). The two
-policies alternate for --repeats rounds; the median makespans and their ratio are printed.
+long-tailed multi-turn workload over the same warm servers through the SGLang client, once per policy:
+- static: `RoundRobinScheduler`, trajectory i goes to server i mod N, all are submitted at once,
+  and each server admits from its own queue on SGLang's estimate, overcommitting its KV pool and
+  retracting (then recomputing) requests under pressure. Tool calls run as soon as a turn ends.
+- static-sync: the same placement, with the per-turn barrier of the baseline the paper measured
+  (verl v0.2): on each server, all live trajectories generate a turn, then all tool calls run.
+- dynamic: `KvScheduler` admits a trajectory on the server with the most free KV budget when its
+  worst-case footprint (prompt + whole response budget) fits, keeps it there for all turns, and
+  refills on release.
+The policies alternate for --repeats rounds. The script prints the median makespans, the dynamic
+policy's speed-up over each static one, and the retractions each policy caused.
 
-`--slots 4,4` gives homogeneous servers; `--slots 6,2` servers of different capacity (as on a
-cluster mixing GPU types or tensor-parallel sizes).
+`--slots` and `--pool` are per server. `--slots 16,16 --pool 4096` gives homogeneous servers whose
+KV pool (4096 tokens) is far below slots x context. `--slots 16,4 --pool 16384,4096` gives servers
+of different size, as on a cluster mixing GPU types or tensor-parallel sizes.
 
-    python benchmarks/rollout_balance.py [--slots 4,4] [--trajectories 48] [--repeats 2] [--seed 0]
+    python benchmarks/rollout_balance.py [--slots 16,16] [--pool 4096] [--trajectories 96]
+        [--repeats 2] [--seed 0]
 """
 
 from __future__ import annotations
@@ -56,24 +64,62 @@ def make_workload(n: int, *, budget: int, prompt_len: int, observation: int, voc
     return work
 
 
-async def run_policy(scheduler, work: list[Trajectory], *, budget: int, tool_latency: float) -> tuple[float, list[float]]:
-    """Runs every trajectory through `scheduler`; returns the makespan and per-trajectory end times."""
+async def _turn(gen, i: int, turn: int, t: Trajectory, context: list[int]) -> int:
+    """Generates one turn in place; returns the request's retractions."""
+    length = t.turns[turn]
+    result = await gen.generate(context, SamplingParams(max_new_tokens=length, temperature=1.0))
+    if result.finish_reason != "length" or len(result.token_ids) != length:
+        raise RuntimeError(f"trajectory {i} turn {turn}: {result.finish_reason} after "
+                           f"{len(result.token_ids)} of {length} tokens")
+    context += result.token_ids
+    return result.num_retractions
+
+
+async def run_policy(scheduler, work: list[Trajectory], *, budget: int, tool_latency: float) -> tuple[float, int]:
+    """Runs every trajectory through `scheduler`, each tool call as soon as its turn ends; returns the
+    makespan and the retractions it caused."""
     start = time.perf_counter()
-    ends = []
+    retractions = 0
 
     async def one(i: int, t: Trajectory):
+        nonlocal retractions
         async with scheduler.lease(f"{i:016x}", len(t.prompt) + budget) as gen:
             context = list(t.prompt)
-            for turn, length in enumerate(t.turns):
-                result = await gen.generate(context, SamplingParams(max_new_tokens=length, temperature=1.0))
-                context += result.token_ids
+            for turn in range(len(t.turns)):
+                retractions += await _turn(gen, i, turn, t, context)
                 if turn + 1 < len(t.turns):
                     await asyncio.sleep(tool_latency)  # the tool call
                     context += [1] * t.observation
-        ends.append(time.perf_counter() - start)
 
     await asyncio.gather(*(one(i, t) for i, t in enumerate(work)))
-    return time.perf_counter() - start, ends
+    return time.perf_counter() - start, retractions
+
+
+async def run_turn_synchronous(gens, work: list[Trajectory], *, tool_latency: float) -> tuple[float, int]:
+    """The baseline the paper measured against (verl v0.2): trajectory i is assigned to server
+    i mod N up front, and each server runs its trajectories turn by turn: every live trajectory
+    generates its turn, then all tool calls run, then the next turn starts."""
+    start = time.perf_counter()
+    retractions = 0
+
+    async def server(gen, items: list[tuple[int, Trajectory]]):
+        nonlocal retractions
+        contexts = {i: list(t.prompt) for i, t in items}
+        for turn in range(max(len(t.turns) for _, t in items)):
+            live = [(i, t) for i, t in items if turn < len(t.turns)]
+            retractions += sum(await asyncio.gather(*(_turn(gen, i, turn, t, contexts[i]) for i, t in live)))
+            calling = [(i, t) for i, t in live if turn + 1 < len(t.turns)]
+            if calling:
+                await asyncio.sleep(tool_latency)  # the batch's tool calls, in parallel
+                for i, t in calling:
+                    contexts[i] += [1] * t.observation
+
+    await asyncio.gather(*(server(g, [(i, t) for i, t in enumerate(work) if i % len(gens) == k])
+                           for k, g in enumerate(gens)))
+    return time.perf_counter() - start, retractions
+
+
+POLICIES = ("static", "static-sync", "dynamic")
 
 
 async def main_async(args, urls: list[str]) -> None:
@@ -84,25 +130,37 @@ async def main_async(args, urls: list[str]) -> None:
         tokens = sum(sum(t.turns) for t in work)
         lengths = sorted(sum(t.turns) for t in work)
         print(f"workload: {len(work)} trajectories, {tokens} generated tokens, per-trajectory median "
-              f"{lengths[len(lengths) // 2]}, max {lengths[-1]}; servers with {args.slots} slots")
-        # Warm-up: compile every prefill bucket on every server so neither policy pays for compiles.
-        max_length = (await gens[0].server_info())["context_length"]
+              f"{lengths[len(lengths) // 2]}, max {lengths[-1]}, response budget {args.budget}")
+        infos = await asyncio.gather(*(g.server_info() for g in gens))
+        print("servers: " + ", ".join(f"{i['max_running_requests']} slots / {i['max_total_num_tokens']}-token KV pool"
+                                      for i in infos) + f", context {infos[0]['context_length']}")
+        # Warm-up: compile every prefill bucket and every decode span on every server, so that
+        # neither policy pays for compiles.
+        max_length = infos[0]["context_length"]
         lengths = [n - 2 for n in (64, 128, 256, 512, 1024, 2048, 4096) if n - 2 < max_length - 1]
-        await asyncio.gather(*(g.generate([1] * n, SamplingParams(max_new_tokens=2)) for g in gens for n in lengths))
-        results: dict[str, list[float]] = {"static": [], "dynamic": []}
+        await asyncio.gather(*(g.generate([1] * n, SamplingParams(max_new_tokens=2)) for g in gens for n in lengths),
+                             *(g.generate([1] * 2, SamplingParams(max_new_tokens=max_length - 3)) for g in gens))
+        results: dict[str, list[float]] = {name: [] for name in POLICIES}
         for _ in range(args.repeats):
-            for name in ("static", "dynamic"):
-                if name == "static":
-                    scheduler = RoundRobinScheduler(gens)
+            for name in POLICIES:
+                extra = ""
+                if name == "static-sync":
+                    makespan, retractions = await run_turn_synchronous(gens, work, tool_latency=args.tool_latency)
                 else:
-                    scheduler = KvScheduler(gens, budget_fraction=args.budget_fraction)
-                makespan, _ = await run_policy(scheduler, work, budget=args.budget, tool_latency=args.tool_latency)
+                    scheduler = (RoundRobinScheduler(gens) if name == "static"
+                                 else KvScheduler(gens, budget_fraction=args.budget_fraction))
+                    makespan, retractions = await run_policy(scheduler, work, budget=args.budget,
+                                                             tool_latency=args.tool_latency)
+                    extra = f", trajectories per server {scheduler.admitted_per_generator()}"
+                    if name == "dynamic":
+                        extra += f", max queue {scheduler.max_queue}"
                 results[name].append(makespan)
-                extra = f", max queue {scheduler.max_queue}" if name == "dynamic" else ""
-                print(f"{name:8s} makespan {makespan:7.2f} s  ({tokens / makespan:7.0f} tokens/s{extra})")
-        static, dynamic = (float(np.median(results[k])) for k in ("static", "dynamic"))
-        print(f"median makespan: static {static:.2f} s, dynamic {dynamic:.2f} s; "
-              f"dynamic speed-up {static / dynamic:.2f}x (target >= 1.3x)")
+                print(f"{name:11s} makespan {makespan:7.2f} s  ({tokens / makespan:6.0f} tokens/s, "
+                      f"{retractions} retractions{extra})")
+        median = {name: float(np.median(results[name])) for name in POLICIES}
+        print("median makespan: " + ", ".join(f"{name} {median[name]:.2f} s" for name in POLICIES))
+        for name in ("static", "static-sync"):
+            print(f"dynamic speed-up over {name}: {median[name] / median['dynamic']:.2f}x (target >= 1.3x)")
     finally:
         for g in gens:
             await g.close()
@@ -110,8 +168,12 @@ async def main_async(args, urls: list[str]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trajectories", type=int, default=48)
-    parser.add_argument("--slots", default="4,4", help="decode slots per server, comma-separated")
+    parser.add_argument("--trajectories", type=int, default=96)
+    parser.add_argument("--slots", default="16,16", help="decode slots per server, comma-separated")
+    parser.add_argument("--pool", default="4096",
+                        help="KV pool tokens per server, comma-separated (one value: every server); "
+                             "0: slots x context, never overcommitted")
+    parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--budget", type=int, default=768, help="response budget per trajectory (tokens)")
     parser.add_argument("--prompt-len", type=int, default=32)
@@ -124,8 +186,14 @@ def main() -> None:
     max_length = 1 << (args.prompt_len + args.budget).bit_length()
     # One CPU thread per server so that servers do not steal each other's cores.
     env = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
-    servers = [LocalServer(args.model, slots=int(n), max_length=max_length, seed=0, env=env)
-               for n in args.slots.split(",")]
+    slots = [int(n) for n in args.slots.split(",")]
+    pools = [int(n) for n in args.pool.split(",")]
+    pools = pools * len(slots) if len(pools) == 1 else pools
+    if len(pools) != len(slots):
+        parser.error(f"--pool has {len(pools)} values for {len(slots)} servers")
+    servers = [LocalServer(args.model, slots=n, max_length=max_length, max_total_tokens=pool or None,
+                           page_size=args.page_size, seed=0, env=env)
+               for n, pool in zip(slots, pools)]
     started = []
     try:
         for s in servers:

@@ -436,22 +436,26 @@ class Qwen3(nnx.Module):
         return PagedKVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
 
     def _cached_forward(self, input_ids, positions, k_cache, v_cache, span: int, write_and_read):
-        """The layer stack over a KV store: `write_and_read(k_store, v_store, k, v)` writes the new
-        tokens' K/V and returns the updated stores plus every row's keys/values [B, span, kv_heads, hd]
-        indexed by absolute position; attention sees positions <= each token's own."""
+        """The layer stack over a KV store [layers, ...]: `write_and_read(k_store, v_store, layer, k, v)`
+        writes the new tokens' K/V into layer `layer` and returns the updated stores plus every row's
+        keys/values [B, span, kv_heads, hd] indexed by absolute position; attention sees positions <=
+        each token's own. The stores ride in the scan's carry and are updated where they lie: slicing
+        them per layer (scan xs/ys) would copy the whole cache every step."""
         c = self.config
         h = self._embed(input_ids)
         mask = jnp.arange(span)[None, None, :] <= positions[:, :, None]  # [B, T, span]
 
-        def layer(h, xs):
-            p, k_store, v_store = xs
+        def layer(carry, xs):
+            h, k_store, v_store = carry
+            p, index = xs
             x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
             q, k, v = self._qkv(p, x, positions)
-            k_store, v_store, k_all, v_all = write_and_read(k_store, v_store, k, v)
+            k_store, v_store, k_all, v_all = write_and_read(k_store, v_store, index, k, v)
             attn = xla_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask)
-            return self._finish_layer(p, h, attn), (k_store, v_store)
+            return (self._finish_layer(p, h, attn), k_store, v_store), None
 
-        h, (k_new, v_new) = jax.lax.scan(layer, h, (self._layer_params(), k_cache, v_cache))
+        layers = jnp.arange(c.num_layers, dtype=jnp.int32)
+        (h, k_new, v_new), _ = jax.lax.scan(layer, (h, k_cache, v_cache), (self._layer_params(), layers))
         h = rms_norm(h, self.final_norm[...], c.rms_norm_eps)
         return self.logits_from_hidden(h), k_new, v_new
 
@@ -463,10 +467,10 @@ class Qwen3(nnx.Module):
         """
         rows = jnp.arange(input_ids.shape[0])[:, None]
 
-        def write_and_read(k_cache, v_cache, k, v):
-            k_cache = k_cache.at[rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-            v_cache = v_cache.at[rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-            return k_cache, v_cache, k_cache, v_cache
+        def write_and_read(k_cache, v_cache, layer, k, v):
+            k_cache = k_cache.at[layer, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
+            v_cache = v_cache.at[layer, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
+            return k_cache, v_cache, k_cache[layer], v_cache[layer]
 
         logits, k, v = self._cached_forward(input_ids, positions, cache.k, cache.v, cache.max_length, write_and_read)
         return logits, KVCache(k=k, v=v)
@@ -487,12 +491,12 @@ class Qwen3(nnx.Module):
         write_page = jnp.where((positions >= 0) & (positions < span), write_page, cache.num_pages)
         offset = positions % page_size
 
-        def write_and_read(k_pool, v_pool, k, v):
-            k_pool = k_pool.at[write_page, offset].set(k.astype(k_pool.dtype), mode="drop")
-            v_pool = v_pool.at[write_page, offset].set(v.astype(v_pool.dtype), mode="drop")
+        def write_and_read(k_pool, v_pool, layer, k, v):
+            k_pool = k_pool.at[layer, write_page, offset].set(k.astype(k_pool.dtype), mode="drop")
+            v_pool = v_pool.at[layer, write_page, offset].set(v.astype(v_pool.dtype), mode="drop")
             # Unallocated entries are clipped onto a real page; the mask hides what they read.
-            k_seq = k_pool.at[page_table].get(mode="clip").reshape(b, span, *k_pool.shape[2:])
-            v_seq = v_pool.at[page_table].get(mode="clip").reshape(b, span, *v_pool.shape[2:])
+            k_seq = k_pool.at[layer, page_table].get(mode="clip").reshape(b, span, *k_pool.shape[3:])
+            v_seq = v_pool.at[layer, page_table].get(mode="clip").reshape(b, span, *v_pool.shape[3:])
             return k_pool, v_pool, k_seq, v_seq
 
         logits, k, v = self._cached_forward(input_ids, positions, cache.k, cache.v, span, write_and_read)

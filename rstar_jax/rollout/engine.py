@@ -131,6 +131,7 @@ class JaxEngine:
         self.num_pages = -(-total // page_size)
         self.max_total_tokens = self.num_pages * page_size
         self._span = self.pages_per_sequence * page_size  # positions a page-table row addresses
+        self._span_buckets = sorted({-(-self.pages_per_sequence // d) for d in (8, 4, 2, 1)})
         self.vocab_size = model.config.vocab_size
         self.buckets = sorted({min(b, max_length) for b in prefill_buckets} | {max_length})
         self._graphdef, self._state = nnx.split(model)
@@ -399,6 +400,11 @@ class JaxEngine:
     def _pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
+    def _span_pages(self, pages: int) -> int:
+        """Page-table columns a kernel reads: the smallest of max_length's 1/8, 1/4, 1/2 and whole
+        that holds `pages`, so attention costs about what the live sequences hold, at four shapes."""
+        return next(b for b in self._span_buckets if b >= pages)
+
     def _admit(self) -> None:
         """Fills free slots, retracted requests first, while SGLang's estimate of the pool fits them."""
         if self._pause_mode is not None:
@@ -438,8 +444,9 @@ class JaxEngine:
         ids = np.zeros((1, bucket), np.int32)
         ids[0, :n] = context
         s = request.sampling
+        table_row = self._page_table[slot, :self._span_pages(pages)]
         self._cache, token, logprob = self._prefill(
-            self._state, self._cache, jnp.asarray(self._page_table[slot]), jnp.asarray(ids), jnp.int32(n),
+            self._state, self._cache, jnp.asarray(table_row), jnp.asarray(ids), jnp.int32(n),
             self._next_key(), jnp.int32(_row_seed(s)), jnp.float32(s.temperature), jnp.float32(s.top_p),
             jnp.int32(s.top_k))
         self._active[slot] = request
@@ -486,8 +493,9 @@ class JaxEngine:
             s = self._active[i].sampling
             temperature[i], top_p[i], top_k[i], seeds[i] = s.temperature, s.top_p, s.top_k, _row_seed(s)
             positions[i] = self._positions[i]
+        span = self._span_pages(max(len(self._slot_pages[i]) for i in active))
         self._cache, tokens, logprobs = self._decode(
-            self._state, self._cache, jnp.asarray(self._page_table), jnp.asarray(self._last_token),
+            self._state, self._cache, jnp.asarray(self._page_table[:, :span]), jnp.asarray(self._last_token),
             jnp.asarray(positions), self._next_key(), jnp.asarray(seeds), jnp.asarray(temperature),
             jnp.asarray(top_p), jnp.asarray(top_k))
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
