@@ -5,7 +5,8 @@ JaxEngine (random-init preset), and times the whole run after a warm-up run of t
 Prints:
 - engine decode tokens/s (batch x new tokens / wall time, prefill included);
 - the roofline: every decode step must read all weights plus the KV cache it attends over
-  (this engine attends over the full preallocated slot length), so
+  (counted here as the whole context, prompt + new, of every row; the engine reads the pages that
+  cover its longest live row, rounded up to 1/8, 1/4, 1/2 or all of the context), so
   steps/s <= bandwidth / (weight bytes + KV bytes) and tokens/s <= batch x that;
 - Hugging Face transformers `generate` (PyTorch, same config, random weights, greedy, same batch,
   prompt and lengths) measured in the same run, unless --no-hf.

@@ -47,8 +47,10 @@ class Trajectory:
     observation: int  # tokens appended after each non-final turn (tool output)
 
 
-def make_workload(n: int, *, budget: int, prompt_len: int, observation: int, vocab: int, seed: int) -> list[Trajectory]:
-    """Long-tailed: 1-4 turns whose lengths are lognormal, total capped by the response budget."""
+def make_workload(n: int, *, budget: int, prompt_len: int, observation: int, vocab: int, seed: int,
+                  turn_median: float = 40.0) -> list[Trajectory]:
+    """Long-tailed: 1-4 turns whose lengths are lognormal (median `turn_median`, sigma 1.1), total
+    capped by the response budget."""
     rng = np.random.default_rng(seed)
     work = []
     for _ in range(n):
@@ -57,7 +59,7 @@ def make_workload(n: int, *, budget: int, prompt_len: int, observation: int, voc
             room = budget - used - observation
             if room < 1:
                 break
-            length = int(min(room, max(1, rng.lognormal(np.log(40), 1.1))))
+            length = int(min(room, max(1, rng.lognormal(np.log(turn_median), 1.1))))
             turns.append(length)
             used += length + observation
         work.append(Trajectory(rng.integers(1, vocab, prompt_len).tolist(), turns, observation))
@@ -126,7 +128,8 @@ async def main_async(args, urls: list[str]) -> None:
     gens = [SGLangGenerator(u) for u in urls]
     try:
         work = make_workload(args.trajectories, budget=args.budget, prompt_len=args.prompt_len,
-                             observation=args.observation, vocab=320, seed=args.seed)
+                             observation=args.observation, vocab=320, seed=args.seed,
+                             turn_median=args.turn_median)
         tokens = sum(sum(t.turns) for t in work)
         lengths = sorted(sum(t.turns) for t in work)
         print(f"workload: {len(work)} trajectories, {tokens} generated tokens, per-trajectory median "
@@ -178,6 +181,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=768, help="response budget per trajectory (tokens)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--observation", type=int, default=16)
+    parser.add_argument("--turn-median", type=float, default=40.0, help="median tokens per turn (lognormal)")
     parser.add_argument("--tool-latency", type=float, default=0.02)
     parser.add_argument("--budget-fraction", type=float, default=0.8)
     parser.add_argument("--model", default="tiny")
