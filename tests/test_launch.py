@@ -94,7 +94,7 @@ def test_rl_on_two_serve_servers_behind_the_kv_scheduler(tmp_path, tiny_run_dir)
     env_one_device = {"XLA_FLAGS": os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")}
     # From the warm policy this data order gives updates from step 1 (see test_resume.py).
     result = _launch(f"--config.run_dir={run}", f"--config.model.hf_path={tiny_run_dir / 'hf' / 'sft_warmup'}",
-                     "--config.sft.before_rl=False", "--config.train.steps=2", "--config.data.shuffle_seed=1",
+                     "--config.sft.before_rl=False", "--config.train.steps=2", "--config.data.shuffle_seed=3",
                      "--config.rollout.backend=sglang",
                      "--config.rollout.local_servers=2", "--config.metrics.progress_bar=false", cwd=tmp_path,
                      env=env_one_device)

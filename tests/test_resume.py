@@ -78,7 +78,7 @@ def warm_policy(tiny_run_dir) -> pathlib.Path:
 # machines): killing after the step-1 checkpoint makes step 2 an update on restored parameters
 # *and* Adam moments.
 RL = ("--config.sft.before_rl=false", "--config.train.steps=2", "--config.checkpoint.every_steps=1",
-      "--config.data.shuffle_seed=1")
+      "--config.data.shuffle_seed=3")
 
 
 def test_rl_run_killed_and_resumed_matches_the_uninterrupted_run_bitwise(tmp_path, warm_policy):

@@ -53,7 +53,7 @@ class ScriptedGenerator:
         await asyncio.sleep(self.delay_s)
         logprobs = [-(self.emitted + k + 1) / 1000 for k in range(len(ids))]
         self.emitted += len(ids)
-        return GenerateResult(ids, logprobs, finish, weight_version=3)
+        return GenerateResult(ids, logprobs, finish, weight_version=3, num_retractions=self.calls % 2)
 
     async def capacity(self):
         return Capacity(total_tokens=1 << 20)
@@ -123,6 +123,7 @@ def test_two_turn_bookkeeping():
     assert lps == [-(k + 1) / 1000 for k in range(sampled)]
     assert all(v == 3 for v, m in zip(traj.policy_versions, traj.loss_mask) if m)
     assert ex.calls == ["print(6*7)"]
+    assert traj.n_retractions == 1  # the generator retracted turn 1 once, turn 2 never
 
 
 def test_errors_are_counted_by_status_and_parse_errors_observed():

@@ -74,6 +74,7 @@ def test_step_updates_the_policy_and_syncs_the_engine():
         assert engine.version == 1  # the engine now samples from the updated policy
         # Sampler log-probs (engine, temperature 1) match the trainer's recomputation before the update.
         assert metrics["drift/logprob_abs_max"] < 1e-3
+        assert metrics["rollout/retractions"] == 0  # a pool of slots x context never overflows
     finally:
         engine.close()
 

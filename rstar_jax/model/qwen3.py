@@ -435,12 +435,13 @@ class Qwen3(nnx.Module):
         shape = (c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
         return PagedKVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
 
-    def _cached_forward(self, input_ids, positions, k_cache, v_cache, span: int, write_and_read):
+    def _cached_forward(self, input_ids, positions, k_cache, v_cache, span: int, write_and_read, logits_at=None):
         """The layer stack over a KV store [layers, ...]: `write_and_read(k_store, v_store, layer, k, v)`
         writes the new tokens' K/V into layer `layer` and returns the updated stores plus every row's
         keys/values [B, span, kv_heads, hd] indexed by absolute position; attention sees positions <=
         each token's own. The stores ride in the scan's carry and are updated where they lie: slicing
-        them per layer (scan xs/ys) would copy the whole cache every step."""
+        them per layer (scan xs/ys) would copy the whole cache every step. `logits_at` [B]: unembed
+        only that position of each row (logits [B, 1, V]), as a prefill needs."""
         c = self.config
         h = self._embed(input_ids)
         mask = jnp.arange(span)[None, None, :] <= positions[:, :, None]  # [B, T, span]
@@ -456,6 +457,8 @@ class Qwen3(nnx.Module):
 
         layers = jnp.arange(c.num_layers, dtype=jnp.int32)
         (h, k_new, v_new), _ = jax.lax.scan(layer, (h, k_cache, v_cache), (self._layer_params(), layers))
+        if logits_at is not None:
+            h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)
         h = rms_norm(h, self.final_norm[...], c.rms_norm_eps)
         return self.logits_from_hidden(h), k_new, v_new
 
@@ -475,13 +478,13 @@ class Qwen3(nnx.Module):
         logits, k, v = self._cached_forward(input_ids, positions, cache.k, cache.v, cache.max_length, write_and_read)
         return logits, KVCache(k=k, v=v)
 
-    def forward_with_paged_cache(self, input_ids, positions, cache: PagedKVCache,
-                                 page_table: jax.Array) -> tuple[jax.Array, PagedKVCache]:
+    def forward_with_paged_cache(self, input_ids, positions, cache: PagedKVCache, page_table: jax.Array,
+                                 logits_at: jax.Array | None = None) -> tuple[jax.Array, PagedKVCache]:
         """`forward_with_cache` over a shared page pool; page_table [B, pages_per_sequence] (see PagedKVCache).
 
         Each row reads its pages back in order (a gather of pages_per_sequence * page_size positions),
         so the attention is the dense one over that row's span. Positions whose page is not allocated,
-        or beyond the span, write nothing.
+        or beyond the span, write nothing. `logits_at` [B]: return logits [B, 1, V] of that position only.
         """
         b, pages_per_sequence = page_table.shape
         page_size = cache.page_size
@@ -499,7 +502,7 @@ class Qwen3(nnx.Module):
             v_seq = v_pool.at[layer, page_table].get(mode="clip").reshape(b, span, *v_pool.shape[3:])
             return k_pool, v_pool, k_seq, v_seq
 
-        logits, k, v = self._cached_forward(input_ids, positions, cache.k, cache.v, span, write_and_read)
+        logits, k, v = self._cached_forward(input_ids, positions, cache.k, cache.v, span, write_and_read, logits_at)
         return logits, PagedKVCache(k=k, v=v)
 
 

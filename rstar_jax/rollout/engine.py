@@ -4,9 +4,10 @@ A fixed number of decode slots share one pool of KV pages ([layers, pages, page_
 head_dim], `max_total_tokens` in all, SGLang's `max_total_num_tokens`). A sequence holds only the
 pages its length needs, so many short sequences fit where a dense [slots, max_length] cache would
 hold few, and the pool can be smaller than slots x max_length. A background thread runs the engine
-loop: it admits waiting requests into free slots (prefill of the request's pages, prompt lengths
-bucketed to limit recompiles) and then runs one jitted decode step for every slot, so new requests
-are prefilled while others decode. Per-slot sampling settings are arrays (temperature, top-p,
+loop: it admits waiting requests into free slots (one batched prefill for the requests admitted
+together, prompt lengths bucketed to limit recompiles) and then runs one jitted decode step for every
+slot, so new requests are prefilled while others decode. Decode attention reads only the pages that
+cover the longest live sequence, rounded up to 1/8, 1/4, 1/2 or all of the context. Per-slot sampling settings are arrays (temperature, top-p,
 top-k are traced, never static). The asyncio front (`await engine.generate(...)`) implements
 `rstar_jax.rollout.protocol.Generator`.
 
@@ -107,19 +108,21 @@ class JaxEngine:
     slots: concurrent requests (SGLang's max_running_requests). max_length: context length, prompt
     + output of one request. max_total_tokens: the KV pool in tokens (default slots x max_length,
     never overcommitted); at least max_length, so one request always fits. page_size: tokens per page.
+    prefill_batch: requests admitted in one step are prefilled together, this many rows per call
+    (a lone request runs as one row, so there are two compiled shapes per prompt bucket).
     """
 
     name = "jax"
 
     def __init__(self, model: Qwen3, *, slots: int = 8, max_length: int = 2048,
-                 max_total_tokens: int | None = None, page_size: int = 16,
+                 max_total_tokens: int | None = None, page_size: int = 16, prefill_batch: int = 8,
                  prefill_buckets: Sequence[int] = (64, 128, 256, 512, 1024, 2048, 4096, 8192),
                  seed: int = 0, cache_dtype: str | None = None, original_logprobs: bool = False,
                  mesh: jax.sharding.Mesh | None = None):
         if slots < 1 or max_length < 2:
             raise ValueError(f"JaxEngine: slots ({slots}) must be >= 1 and max_length ({max_length}) >= 2")
-        if page_size < 1:
-            raise ValueError(f"JaxEngine: page_size must be >= 1, got {page_size}")
+        if page_size < 1 or prefill_batch < 1:
+            raise ValueError(f"JaxEngine: page_size ({page_size}) and prefill_batch ({prefill_batch}) must be >= 1")
         total = slots * max_length if max_total_tokens is None else int(max_total_tokens)
         if total < max_length:
             raise ValueError(f"JaxEngine: max_total_tokens ({total}) must be >= max_length ({max_length}) "
@@ -127,6 +130,7 @@ class JaxEngine:
         self.slots = slots
         self.max_length = max_length
         self.page_size = page_size
+        self.prefill_batch = min(prefill_batch, slots)
         self.pages_per_sequence = -(-max_length // page_size)
         self.num_pages = -(-total // page_size)
         self.max_total_tokens = self.num_pages * page_size
@@ -166,16 +170,15 @@ class JaxEngine:
         self._thread.start()
 
     # -- jitted kernels -----------------------------------------------------------------------
-    def _prefill_fn(self, state, cache: PagedKVCache, table_row, ids, length, key, seed, temperature, top_p, top_k):
+    def _prefill_fn(self, state, cache: PagedKVCache, tables, ids, lengths, key, seeds, temperature, top_p, top_k):
         model = nnx.merge(self._graphdef, state)
-        positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
-        logits, cache = model.forward_with_paged_cache(ids, positions, cache, table_row[None, :])
-        last = jax.lax.dynamic_index_in_dim(logits[0], length - 1, axis=0, keepdims=True)  # [1, V]
+        positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+        logits, cache = model.forward_with_paged_cache(ids, positions, cache, tables, logits_at=lengths - 1)
         # The first sampled token sits at absolute position `length`.
-        keys = row_keys(key, seed[None], length[None])
-        token, logprob = sample_tokens(last, keys, temperature[None], top_p[None], top_k[None],
-                                       original=self._original_logprobs)
-        return cache, token[0], logprob[0]
+        keys = row_keys(key, seeds, lengths)
+        tokens, logprobs = sample_tokens(logits[:, 0], keys, temperature, top_p, top_k,
+                                         original=self._original_logprobs)
+        return cache, tokens, logprobs
 
     def _decode_fn(self, state, cache: PagedKVCache, page_table, tokens, positions, key, seeds, temperature,
                    top_p, top_k):
@@ -412,6 +415,7 @@ class JaxEngine:
         running = [r for r in self._active if r is not None]
         ratio = self._new_token_ratio
         reserved = ratio * sum(self._remaining_budget(r) for r in running)
+        group: list[tuple[int, _Request]] = []
         for slot in range(self.slots):
             if self._active[slot] is not None:
                 continue
@@ -420,41 +424,55 @@ class JaxEngine:
             elif self._waiting and not self._admission_blocks:
                 source = self._waiting
             else:
-                return
+                break
             request = source[0]
-            context = request.context_length
-            pages = self._pages_for(context)
+            pages = self._pages_for(request.context_length)
             estimate = ratio * self._remaining_budget(request)
             if running and (pages > len(self._free_pages)
                             or pages * self.page_size + estimate > len(self._free_pages) * self.page_size - reserved):
-                return  # first come, first served: nothing overtakes the head of the queue
+                break  # first come, first served: nothing overtakes the head of the queue
             source.popleft()
-            self._prefill_into(slot, request, pages)
-            if self._active[slot] is not None:  # not already finished by its first token
-                running.append(request)
-                reserved += estimate
+            self._slot_pages[slot] = [self._free_pages.pop() for _ in range(pages)]
+            self._page_table[slot, :pages] = self._slot_pages[slot]
+            group.append((slot, request))
+            running.append(request)
+            reserved += estimate
+            if len(group) == self.prefill_batch:
+                self._prefill_group(group)
+                group = []
+        if group:
+            self._prefill_group(group)
 
-    def _prefill_into(self, slot: int, request: _Request, pages: int) -> None:
-        """Prefills prompt + output so far (recomputing a retracted request) and samples one token."""
-        self._slot_pages[slot] = [self._free_pages.pop() for _ in range(pages)]
-        self._page_table[slot, :pages] = self._slot_pages[slot]
-        context = request.prompt + request.tokens
-        n = len(context)
-        bucket = next(b for b in self.buckets if b >= n)
-        ids = np.zeros((1, bucket), np.int32)
-        ids[0, :n] = context
-        s = request.sampling
-        table_row = self._page_table[slot, :self._span_pages(pages)]
-        self._cache, token, logprob = self._prefill(
-            self._state, self._cache, jnp.asarray(table_row), jnp.asarray(ids), jnp.int32(n),
-            self._next_key(), jnp.int32(_row_seed(s)), jnp.float32(s.temperature), jnp.float32(s.top_p),
-            jnp.int32(s.top_k))
-        self._active[slot] = request
-        self._positions[slot] = n
-        request.tokens.append(int(token))
-        request.logprobs.append(float(logprob))
-        self._last_token[slot] = int(token)
-        self._check_stop(slot)
+    def _prefill_group(self, group: list[tuple[int, _Request]]) -> None:
+        """Prefills each request's prompt + output so far (recomputing a retracted one) into its
+        pages, in one call, and samples one token per request. Unused rows write nothing."""
+        rows = 1 if len(group) == 1 else self.prefill_batch
+        longest = max(r.context_length for _, r in group)
+        bucket = next(b for b in self.buckets if b >= longest)
+        span = self._span_pages(max(len(self._slot_pages[slot]) for slot, _ in group))
+        ids = np.zeros((rows, bucket), np.int32)
+        tables = np.full((rows, span), self.num_pages, np.int32)
+        lengths = np.ones(rows, np.int32)
+        seeds = np.full(rows, -1, np.int32)
+        temperature, top_p, top_k = np.ones(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.int32)
+        for row, (slot, request) in enumerate(group):
+            context = request.prompt + request.tokens
+            ids[row, :len(context)] = context
+            tables[row] = self._page_table[slot, :span]
+            lengths[row] = len(context)
+            s = request.sampling
+            seeds[row], temperature[row], top_p[row], top_k[row] = _row_seed(s), s.temperature, s.top_p, s.top_k
+        self._cache, tokens, logprobs = self._prefill(
+            self._state, self._cache, jnp.asarray(tables), jnp.asarray(ids), jnp.asarray(lengths), self._next_key(),
+            jnp.asarray(seeds), jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k))
+        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        for row, (slot, request) in enumerate(group):
+            self._active[slot] = request
+            self._positions[slot] = lengths[row]
+            request.tokens.append(int(tokens[row]))
+            request.logprobs.append(float(logprobs[row]))
+            self._last_token[slot] = int(tokens[row])
+            self._check_stop(slot)
 
     def _grow_pages(self) -> None:
         """Gives every running request the page its next position needs, retracting when the pool is out."""

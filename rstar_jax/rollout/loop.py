@@ -160,6 +160,7 @@ async def run_trajectory(
             traj.loss_mask += [1] * len(result.token_ids)
             traj.sampler_logprobs += [float(x) for x in result.logprobs]
             traj.policy_versions += [result.weight_version] * len(result.token_ids)
+            traj.n_retractions += result.num_retractions
             traj.n_turns += 1
             turn_text = tokenizer.decode(result.token_ids)
             model_text.append(turn_text)

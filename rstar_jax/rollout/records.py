@@ -40,6 +40,7 @@ def trajectory_record(traj: Trajectory, decode, **extra: Any) -> dict:
         "n_answer_tags": traj.n_answer_tags,
         "tool_statuses": list(traj.tool_statuses),
         "tool_seconds": float(traj.tool_seconds),
+        "n_retractions": traj.n_retractions,
         "response_length": len(traj.response_ids),
         "num_sampled_tokens": traj.num_sampled_tokens,
         "policy_version": traj.policy_version,

@@ -41,6 +41,7 @@ class Trajectory:
     n_answer_tags: int = 0  # closed <answer>...</answer> pairs
     tool_statuses: list[str] = dataclasses.field(default_factory=list)
     tool_seconds: float = 0.0  # wall time this trajectory waited on its tool calls (sandbox round trips)
+    n_retractions: int = 0  # times KV-cache pressure made a generator retract and recompute one of its turns
     extra: dict = dataclasses.field(default_factory=dict)
 
     @property

@@ -166,6 +166,8 @@ class RLTrainer:
             "rollout/truncated_ratio": float(np.mean([t.truncated for t in trajectories])),
             "rollout/response_length_mean": float(np.mean([len(t.response_ids) for t in trajectories])),
             "rollout/tool_calls_mean": float(np.mean([t.n_tool_calls for t in trajectories])),
+            # Turns the generators retracted under KV pressure and recomputed (SGLang's num_retractions).
+            "rollout/retractions": int(sum(t.n_retractions for t in trajectories)),
             "time/rollout_s": rollout_s,
             "rollout/sampled_tokens_per_s": sum(t.num_sampled_tokens for t in trajectories) / max(rollout_s, 1e-9),
             # Summed over trajectories: sandbox round trips overlap each other and generation.
