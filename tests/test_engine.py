@@ -234,6 +234,29 @@ def test_sampling_distribution_chi_square():
     assert draw(0.0, 1.0, -1)[4] == n  # greedy
 
 
+def test_a_rows_draw_does_not_depend_on_whether_its_batch_sorts():
+    """Row 0 (no truncation) draws the same token alone and beside a top-p row that makes the batch
+    take the sorting path; the top-p row only ever draws from its nucleus."""
+    logits = jax.random.normal(jax.random.key(3), (2, 50)) * 3
+    keys = jax.random.split(jax.random.key(4), (300, 2))
+    ones = jnp.ones(2)
+
+    @jax.jit
+    @jax.vmap
+    def mixed_and_alone(row_keys_):
+        mixed, _ = sample_tokens(logits, row_keys_, ones, jnp.asarray([1.0, 0.3]), jnp.asarray([-1, -1]))
+        alone, _ = sample_tokens(logits[:1], row_keys_[:1], ones[:1], ones[:1], jnp.asarray([-1]))
+        return mixed, alone[0]
+
+    mixed, alone = (np.asarray(x) for x in mixed_and_alone(keys))
+    np.testing.assert_array_equal(mixed[:, 0], alone)
+    assert len(set(alone.tolist())) > 5  # row 0 really samples
+    probs = np.asarray(jax.nn.softmax(logits[1]))
+    order = np.argsort(-probs)
+    nucleus = order[:np.searchsorted(np.cumsum(probs[order]), 0.3) + 1]
+    assert set(mixed[:, 1].tolist()) <= set(nucleus.tolist())
+
+
 def _wait_for_tokens(eng, rid, n=1):
     """Polls until request `rid` is running and has at least n tokens."""
     async def wait():

@@ -1,6 +1,9 @@
 """Per-row token sampling (temperature, top-p, top-k) with the log-probs SGLang reports.
 
-Every setting is a traced per-row array, so one compiled step serves any mix of requests.
+Every setting is a traced per-row array, so one compiled step serves any mix of requests. A row
+that truncates nothing (top_p 1, top_k off) draws straight from its scaled logits; the vocabulary
+sort that top-p / top-k need runs only when some row in the batch truncates, and a row's draw does
+not depend on which path its batch took.
 
 Semantics follow SGLang's sampler:
 - temperature in [0, 1e-6) or top_k == 1 is greedy (argmax of the raw logits);
@@ -47,20 +50,30 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array, top
     vocab = logits.shape[-1]
     greedy = (temperature < GREEDY_TEMPERATURE) | (top_k == 1)
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-    order = jnp.argsort(-scaled, axis=-1)
-    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-    ranks = jnp.arange(vocab)[None, :]
-    k = jnp.where(top_k > 0, top_k, vocab)[:, None]
-    probs = jax.nn.softmax(sorted_logits, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (ranks < k) & (mass_before < top_p[:, None])
-    masked = jnp.where(keep, sorted_logits, -jnp.inf)
-    if key.ndim == 1:
-        choice = jax.vmap(lambda k, row: jax.random.categorical(k, row))(key, masked)
-    else:
-        choice = jax.random.categorical(key, masked, axis=-1)
-    sampled = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0]
-    tokens = jnp.where(greedy, order[:, 0], sampled).astype(jnp.int32)
+    truncates = ~greedy & ((top_p < 1.0) | ((top_k > 0) & (top_k < vocab)))
+
+    def categorical(keys, rows):
+        if keys.ndim == 1:
+            return jax.vmap(lambda k, row: jax.random.categorical(k, row))(keys, rows)
+        return jax.random.categorical(keys, rows, axis=-1)
+
+    def truncated_draws(_):
+        order = jnp.argsort(-scaled, axis=-1)
+        sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
+        ranks = jnp.arange(vocab)[None, :]
+        k = jnp.where(top_k > 0, top_k, vocab)[:, None]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        keep = (ranks < k) & (mass_before < top_p[:, None])
+        masked = jnp.where(keep, sorted_logits, -jnp.inf)
+        return jnp.take_along_axis(order, categorical(key, masked)[:, None], axis=-1)[:, 0]
+
+    # The O(V log V) sort only runs when a row needs it (top-p / top-k); at the RL setting (top_p 1,
+    # top_k off) every row samples its scaled logits directly.
+    direct = categorical(key, scaled)
+    sampled = jax.lax.cond(truncates.any(), truncated_draws, lambda _: direct, None)
+    sampled = jnp.where(truncates, sampled, direct)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     reference = logits if original else scaled
     logprobs = jnp.take_along_axis(jax.nn.log_softmax(reference, axis=-1), tokens[:, None], axis=-1)[:, 0]
     return tokens, logprobs
