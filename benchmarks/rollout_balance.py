@@ -18,7 +18,7 @@ KV pool (4096 tokens) is far below slots x context. `--slots 16,4 --pool 16384,4
 of different size, as on a cluster mixing GPU types or tensor-parallel sizes.
 
     python benchmarks/rollout_balance.py [--slots 16,16] [--pool 4096] [--trajectories 96]
-        [--repeats 2] [--seed 0]
+        [--repeats 3] [--seed 0]
 """
 
 from __future__ import annotations
@@ -137,12 +137,11 @@ async def main_async(args, urls: list[str]) -> None:
         infos = await asyncio.gather(*(g.server_info() for g in gens))
         print("servers: " + ", ".join(f"{i['max_running_requests']} slots / {i['max_total_num_tokens']}-token KV pool"
                                       for i in infos) + f", context {infos[0]['context_length']}")
-        # Warm-up: compile every prefill bucket and every decode span on every server, so that
-        # neither policy pays for compiles.
-        max_length = infos[0]["context_length"]
-        lengths = [n - 2 for n in (64, 128, 256, 512, 1024, 2048, 4096) if n - 2 < max_length - 1]
-        await asyncio.gather(*(g.generate([1] * n, SamplingParams(max_new_tokens=2)) for g in gens for n in lengths),
-                             *(g.generate([1] * 2, SamplingParams(max_new_tokens=max_length - 3)) for g in gens))
+        # Warm-up: one untimed pass of each policy compiles the prefill (rows x prompt bucket x
+        # span) and decode shapes the workload reaches on every server, so no timed run pays for it.
+        await run_policy(RoundRobinScheduler(gens), work, budget=args.budget, tool_latency=args.tool_latency)
+        await run_policy(KvScheduler(gens, budget_fraction=args.budget_fraction), work, budget=args.budget,
+                         tool_latency=args.tool_latency)
         results: dict[str, list[float]] = {name: [] for name in POLICIES}
         for _ in range(args.repeats):
             for name in POLICIES:
@@ -177,7 +176,7 @@ def main() -> None:
                         help="KV pool tokens per server, comma-separated (one value: every server); "
                              "0: slots x context, never overcommitted")
     parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget", type=int, default=768, help="response budget per trajectory (tokens)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--observation", type=int, default=16)
