@@ -14,8 +14,9 @@ tokenizer: no `text`, no `stop` strings), `/abort_request` (rid prefix), `/get_s
 `/v1/loads` (`?include=queues` adds the queue section), `/get_load`, `/health`, `/health_generate`,
 `/flush_cache`, `/update_weights_from_disk`, `/pause_generation` (modes abort, retract, in_place),
 `/continue_generation`, `/get_weight_version`, `/get_model_info` and no-op
-`/release_memory_occupation` / `/resume_memory_occupation`. The engine has no prefix cache, so
-`cached_tokens` is 0 and `/flush_cache` only checks that the server is idle, as SGLang does. The
+`/release_memory_occupation` / `/resume_memory_occupation`. The engine's prefix cache keeps a
+finished request's KV for the request that continues it (`meta_info.cached_tokens`, `cache_hit_rate`
+in `/v1/loads`); `/flush_cache` drops it, and refuses while requests are in flight, as SGLang does. The
 weight_version string starts as "0" and becomes the `weight_version` a weight update names, or
 the engine's version counter when it names none.
 """
@@ -183,7 +184,7 @@ class EngineServer:
             "finish_reason": finish_reason_json(result),
             "prompt_tokens": len(ids),
             "completion_tokens": len(result.token_ids),
-            "cached_tokens": 0,
+            "cached_tokens": result.cached_tokens,
             "num_retractions": result.num_retractions,
             "weight_version": self.weight_version,
             "e2e_latency": time.perf_counter() - start,
@@ -215,7 +216,7 @@ class EngineServer:
             "max_running_requests": self.engine.slots,
             "token_usage": cap.used_tokens / cap.total_tokens,
             "gen_throughput": self.generated_tokens / max(time.time() - self.started, 1e-9),
-            "cache_hit_rate": 0.0,
+            "cache_hit_rate": self.engine.cached_tokens / max(self.engine.prompt_tokens, 1),
             "utilization": cap.running_requests / self.engine.slots,
             "queues": {"waiting": cap.queued_requests - cap.retracted_requests, "grammar": 0,
                        "paused": cap.running_requests if self.engine.paused else 0,
@@ -280,7 +281,7 @@ class EngineServer:
         return web.Response(status=200 if result.finish_reason != "abort" else 503)
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        if not self.engine.is_idle():
+        if not self.engine.flush_cache():
             return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.")
         return web.Response(status=200, text="Cache flushed.")
 

@@ -147,10 +147,43 @@ def test_overcommitted_pool_retracts_and_recomputes_without_changing_outputs(mod
             assert c.token_ids == r.token_ids
             np.testing.assert_allclose(c.logprobs, r.logprobs, atol=1e-4)
         assert all(r.num_retractions == 0 for r in roomy)
-        assert small.is_idle() and sorted(small._free_pages) == list(range(small.num_pages))
+        # Every page is free or held by exactly one cached prefix; flushing the cache frees them all.
+        cached = [page for pages in small._prefixes.values() for page in pages]
+        assert small.is_idle() and sorted(small._free_pages + cached) == list(range(small.num_pages))
         assert (small._page_table == small.num_pages).all()
+        assert small.flush_cache() and sorted(small._free_pages) == list(range(small.num_pages))
     finally:
         small.close()
+
+
+def test_prefix_cache_continues_a_trajectory_and_yields_its_pages_under_pressure(model):
+    """Turn two of a conversation reuses turn one's KV (cached_tokens) and matches a run without the
+    cache; a later request that needs the whole 128-token pool evicts the cached pages instead of
+    failing or retracting; a weight update drops the cache."""
+    eng = JaxEngine(model, slots=2, max_length=128, max_total_tokens=128, page_size=16, prefill_buckets=(16, 32, 128))
+    plain = JaxEngine(model, slots=2, max_length=128, page_size=16, prefill_buckets=(16, 32, 128), prefix_cache=False)
+    prompt = _prompt(10, 60)
+    greedy = lambda n: SamplingParams(max_new_tokens=n, temperature=0.0)  # noqa: E731
+    try:
+        first = asyncio.run(eng.generate(prompt, greedy(12)))
+        assert first.cached_tokens == 0 and asyncio.run(eng.capacity()).used_tokens == 0  # cached is evictable
+        second_context = prompt + first.token_ids + _prompt(5, 61)  # + a tool observation
+        second = asyncio.run(eng.generate(second_context, greedy(10)))
+        expected = asyncio.run(plain.generate(second_context, greedy(10)))
+        assert second.cached_tokens == 10 + 12 - 1  # the last sampled token's KV was never written
+        assert second.token_ids == expected.token_ids and expected.cached_tokens == 0
+        np.testing.assert_allclose(second.logprobs, expected.logprobs, atol=1e-4)
+        assert eng.cached_tokens == 21 and eng.prompt_tokens == 10 + len(second_context)
+        assert eng._prefixes  # turn two's KV is cached in turn
+        big = asyncio.run(eng.generate(_prompt(100, 62), greedy(27)))  # 127 tokens: all 8 pages
+        assert len(big.token_ids) == 27 and big.num_retractions == 0 and eng.retractions == 0
+        assert all(len(key) == 126 for key in eng._prefixes)  # only the big request's prefix is left
+        eng.update_weights(model)
+        assert not eng._prefixes and sorted(eng._free_pages) == list(range(eng.num_pages))
+        assert asyncio.run(eng.generate(second_context, greedy(3))).cached_tokens == 0
+    finally:
+        eng.close()
+        plain.close()
 
 
 def test_pause_retract_and_in_place_resume_where_they_stopped(model):

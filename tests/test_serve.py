@@ -154,7 +154,8 @@ def test_pause_aborts_running_and_holds_new_requests(server):
 
 def test_pause_retract_recomputes_on_continue_and_reports_the_retraction(server):
     """retract mode frees the running request's KV (the queue section of /v1/loads shows it); after
-    /continue_generation it is recomputed and ends with the output of an uninterrupted run."""
+    /continue_generation it is recomputed and ends with the output of an uninterrupted run. The next
+    turn of that conversation reuses its KV from the prefix cache."""
     params = SamplingParams(max_new_tokens=200, temperature=1.0, seed=11)
     prompt = _prompt(9, 6)
 
@@ -166,9 +167,12 @@ def test_pause_retract_recomputes_on_continue_and_reports_the_retraction(server)
             await gen.pause("retract")
             status, text = await asyncio.to_thread(_http, server, "GET", "/v1/loads?include=queues")
             await gen.resume()
-            return expected, await running, status, json.loads(text)["loads"][0]
+            retracted = await running
+            next_turn = await gen.generate(prompt + retracted.token_ids + [5, 6], GREEDY)
+            return expected, retracted, status, json.loads(text)["loads"][0], next_turn, await gen.loads()
 
-    expected, retracted, status, load = asyncio.run(run())
+    expected, retracted, status, load, next_turn, loads = asyncio.run(run())
+    assert next_turn.cached_tokens == len(prompt) + 200 - 1 and loads[0]["cache_hit_rate"] > 0
     assert status == 200 and load["queues"]["retracted"] == 1 and load["num_running_reqs"] == 0
     assert load["num_used_tokens"] == 0
     assert retracted.num_retractions == 1 and expected.num_retractions == 0

@@ -37,6 +37,7 @@ def test_parses_the_documented_generate_response():
     assert result.token_ids == [151667, 198, 151645]
     assert result.logprobs == [-0.0123, -0.4410, -0.0002]
     assert result.finish_reason == "stop" and result.weight_version == 0  # "default" is not numeric
+    assert result.cached_tokens == 768 and result.num_retractions == 0
 
 
 def test_parse_rejects_inconsistent_responses():

@@ -21,6 +21,13 @@ prefilled again (recomputed) and decoding goes on. The ratio then rises to SGLan
 Results count their retractions (`num_retractions`). Seeded rows draw per-position keys, so a
 retracted request samples exactly what it would have sampled without retraction.
 
+Prefix cache: a finished request leaves its KV pages behind, keyed by the tokens they hold. A later
+request whose context starts with those tokens (the next turn of a multi-turn trajectory, sent to
+the same engine by a sticky scheduler) takes the pages over and prefills only the new tokens
+(`cached_tokens` in its result). Cached pages are evicted, least recently cached first, whenever
+admission or decoding needs them, before any running request is retracted. A weight update or
+`flush_cache()` drops the cache, since its KV came from the old weights.
+
 Log-probs match SGLang (see `rstar_jax.rollout.sampling`): log-softmax of the temperature-scaled
 logits at the sampled token, before top-p / top-k truncation; `original_logprobs=True` gives the raw
 logits' log-softmax (SGLANG_RETURN_ORIGINAL_LOGPROB). Greedy rows and temperature 1 give the raw
@@ -68,6 +75,7 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.7 * 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_DECODE_STEPS = 20  # SGLang's headroom per running request in the post-retraction estimate
+PREFIX_HEAD = 64  # leading tokens that index the prefix cache
 
 
 def pool_sharding(mesh: jax.sharding.Mesh, kv_heads: int) -> jax.sharding.NamedSharding:
@@ -90,6 +98,7 @@ class _Request:
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
     retractions: int = 0
+    cached_tokens: int = 0  # context tokens whose KV came from the prefix cache at first admission
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
 
     @property
@@ -110,12 +119,14 @@ class JaxEngine:
     never overcommitted); at least max_length, so one request always fits. page_size: tokens per page.
     prefill_batch: requests admitted in one step are prefilled together, this many rows per call
     (a lone request runs as one row, so there are two compiled shapes per prompt bucket).
+    prefix_cache: keep finished requests' KV for requests that continue them (see the module docstring).
     """
 
     name = "jax"
 
     def __init__(self, model: Qwen3, *, slots: int = 8, max_length: int = 2048,
                  max_total_tokens: int | None = None, page_size: int = 16, prefill_batch: int = 8,
+                 prefix_cache: bool = True,
                  prefill_buckets: Sequence[int] = (64, 128, 256, 512, 1024, 2048, 4096, 8192),
                  seed: int = 0, cache_dtype: str | None = None, original_logprobs: bool = False,
                  mesh: jax.sharding.Mesh | None = None):
@@ -145,6 +156,14 @@ class JaxEngine:
         self._free_pages = list(range(self.num_pages - 1, -1, -1))  # a stack: pop() takes the lowest
         self._slot_pages: list[list[int]] = [[] for _ in range(slots)]
         self._page_table = np.full((slots, self.pages_per_sequence), self.num_pages, np.int32)  # unallocated
+        self.prefix_cache = prefix_cache
+        # Cached prefix -> the pages holding its KV, least recently cached first. A lookup finds its
+        # candidates by their first PREFIX_HEAD tokens (all of them for shorter prefixes).
+        self._prefixes: collections.OrderedDict[tuple[int, ...], list[int]] = collections.OrderedDict()
+        self._prefix_heads: dict[tuple[int, ...], set[tuple[int, ...]]] = collections.defaultdict(set)
+        self._short_prefix_lengths: collections.Counter[int] = collections.Counter()
+        self.prompt_tokens = 0  # context tokens of first admissions, and those the cache supplied
+        self.cached_tokens = 0
         self._key = jax.random.key(seed)
         self._version = 0
         self._incoming: queue.Queue[_Request] = queue.Queue()  # from the event loop; drained by the engine
@@ -170,10 +189,12 @@ class JaxEngine:
         self._thread.start()
 
     # -- jitted kernels -----------------------------------------------------------------------
-    def _prefill_fn(self, state, cache: PagedKVCache, tables, ids, lengths, key, seeds, temperature, top_p, top_k):
+    def _prefill_fn(self, state, cache: PagedKVCache, tables, ids, starts, lengths, key, seeds, temperature, top_p,
+                    top_k):
         model = nnx.merge(self._graphdef, state)
-        positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-        logits, cache = model.forward_with_paged_cache(ids, positions, cache, tables, logits_at=lengths - 1)
+        # Row r holds context[starts[r]:lengths[r]]: positions before starts[r] are already in its pages.
+        positions = starts[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
+        logits, cache = model.forward_with_paged_cache(ids, positions, cache, tables, logits_at=lengths - starts - 1)
         # The first sampled token sits at absolute position `length`.
         keys = row_keys(key, seeds, lengths)
         tokens, logprobs = sample_tokens(logits[:, 0], keys, temperature, top_p, top_k,
@@ -227,7 +248,7 @@ class JaxEngine:
     async def capacity(self) -> Capacity:
         with self._lock:
             running = sum(r is not None for r in self._active)
-            used = (self.num_pages - len(self._free_pages)) * self.page_size
+            used = (self.num_pages - len(self._free_pages) - self._cached_pages()) * self.page_size
             queued = len(self._waiting) + len(self._retracted) + self._incoming.qsize()
             retracted = len(self._retracted)
         return Capacity(total_tokens=self.max_total_tokens, used_tokens=used, running_requests=running,
@@ -260,6 +281,7 @@ class JaxEngine:
                         self._abort_in_flight()
                     drained = all(r is None for r in self._active) and not self._retracted
                     if drained or self._pause_mode is not None:
+                        self._drop_prefixes()  # their KV came from the old weights
                         self._state = new_state
                         self._version = self._version + 1 if version is None else int(version)
                         return self._version
@@ -311,6 +333,14 @@ class JaxEngine:
         self._wake.set()
         return count
 
+    def flush_cache(self) -> bool:
+        """SGLang's `/flush_cache`: drops the prefix cache; refused (False) while any request is in flight."""
+        with self._lock:
+            if not self.is_idle():
+                return False
+            self._drop_prefixes()
+            return True
+
     def is_idle(self) -> bool:
         """True when no request is running or queued."""
         with self._lock:
@@ -329,20 +359,70 @@ class JaxEngine:
 
     def _resolve(self, request: _Request, reason: str) -> None:
         result = GenerateResult(list(request.tokens), list(request.logprobs), reason, self._version,
-                                num_retractions=request.retractions)
+                                num_retractions=request.retractions, cached_tokens=request.cached_tokens)
         request.loop.call_soon_threadsafe(lambda: request.future.done() or request.future.set_result(result))
 
-    def _free_slot(self, slot: int) -> _Request:
+    def _free_slot(self, slot: int, keep_prefix: bool = False) -> _Request:
         request = self._active[slot]
+        pages = self._slot_pages[slot]
+        written = int(self._positions[slot])  # KV holds positions [0, written): the last token was not fed
+        if keep_prefix and self.prefix_cache and written > 0:
+            kept = self._pages_for(written)
+            self._cache_prefix(tuple((request.prompt + request.tokens)[:written]), pages[:kept])
+            pages = pages[kept:]
         self._active[slot] = None
         self._positions[slot] = 0
-        self._free_pages.extend(reversed(self._slot_pages[slot]))
+        self._free_pages.extend(reversed(pages))
         self._slot_pages[slot] = []
         self._page_table[slot] = self.num_pages
         return request
 
     def _finish(self, slot: int, reason: str) -> None:
-        self._resolve(self._free_slot(slot), reason)
+        self._resolve(self._free_slot(slot, keep_prefix=not self._stopped), reason)
+
+    # -- prefix cache ---------------------------------------------------------------------------
+    def _cache_prefix(self, tokens: tuple[int, ...], pages: list[int]) -> None:
+        if tokens in self._prefixes:  # the same prefix again (a repeated request): keep the newer pages
+            self._free_pages.extend(reversed(self._take_prefix(tokens)))
+        self._prefixes[tokens] = pages
+        self._prefix_heads[tokens[:PREFIX_HEAD]].add(tokens)
+        if len(tokens) < PREFIX_HEAD:
+            self._short_prefix_lengths[len(tokens)] += 1
+
+    def _lookup_prefix(self, context: list[int]) -> tuple[int, ...] | None:
+        """The longest cached prefix of `context` that leaves at least one token to prefill."""
+        heads = {min(len(context), PREFIX_HEAD)} | {n for n, c in self._short_prefix_lengths.items() if c}
+        best = None
+        for head in heads:
+            for key in self._prefix_heads.get(tuple(context[:head]), ()):
+                if len(key) < len(context) and (best is None or len(key) > len(best)) \
+                        and tuple(context[:len(key)]) == key:
+                    best = key
+        return best
+
+    def _take_prefix(self, key: tuple[int, ...]) -> list[int]:
+        head = key[:PREFIX_HEAD]
+        self._prefix_heads[head].discard(key)
+        if not self._prefix_heads[head]:
+            del self._prefix_heads[head]
+        if len(key) < PREFIX_HEAD:
+            self._short_prefix_lengths[len(key)] -= 1
+        return self._prefixes.pop(key)
+
+    def _cached_pages(self, keep: tuple[int, ...] | None = None) -> int:
+        return sum(len(pages) for key, pages in self._prefixes.items() if key != keep)
+
+    def _reclaim(self, pages: int, keep: tuple[int, ...] | None = None) -> None:
+        """Evicts cached prefixes, least recently cached first (never `keep`), until `pages` are free."""
+        for key in list(self._prefixes):
+            if len(self._free_pages) >= pages:
+                return
+            if key != keep:
+                self._free_pages.extend(reversed(self._take_prefix(key)))
+
+    def _drop_prefixes(self) -> None:
+        for key in list(self._prefixes):
+            self._free_pages.extend(reversed(self._take_prefix(key)))
 
     def _retract(self, slot: int) -> None:
         """Frees the slot's pages and puts its request at the front of the queue, tokens kept."""
@@ -415,7 +495,7 @@ class JaxEngine:
         running = [r for r in self._active if r is not None]
         ratio = self._new_token_ratio
         reserved = ratio * sum(self._remaining_budget(r) for r in running)
-        group: list[tuple[int, _Request]] = []
+        group: list[tuple[int, _Request, int]] = []  # (slot, request, tokens already in its pages)
         for slot in range(self.slots):
             if self._active[slot] is not None:
                 continue
@@ -426,15 +506,26 @@ class JaxEngine:
             else:
                 break
             request = source[0]
-            pages = self._pages_for(request.context_length)
+            context = request.prompt + request.tokens
+            hit = self._lookup_prefix(context) if self._prefixes else None
+            reused = len(self._prefixes[hit]) if hit else 0
+            pages = self._pages_for(len(context))
+            available = len(self._free_pages) + self._cached_pages(keep=hit)  # cached pages are evictable
             estimate = ratio * self._remaining_budget(request)
-            if running and (pages > len(self._free_pages)
-                            or pages * self.page_size + estimate > len(self._free_pages) * self.page_size - reserved):
+            if running and (pages - reused > available or pages * self.page_size + estimate
+                            > (available + reused) * self.page_size - reserved):
                 break  # first come, first served: nothing overtakes the head of the queue
             source.popleft()
-            self._slot_pages[slot] = [self._free_pages.pop() for _ in range(pages)]
+            self._reclaim(pages - reused, keep=hit)
+            own = self._take_prefix(hit) if hit else []
+            self._slot_pages[slot] = own + [self._free_pages.pop() for _ in range(pages - reused)]
             self._page_table[slot, :pages] = self._slot_pages[slot]
-            group.append((slot, request))
+            start = len(hit) if hit else 0
+            if not request.tokens:  # a first admission (a retracted request has tokens)
+                request.cached_tokens = start
+                self.prompt_tokens += len(context)
+                self.cached_tokens += start
+            group.append((slot, request, start))
             running.append(request)
             reserved += estimate
             if len(group) == self.prefill_batch:
@@ -443,30 +534,33 @@ class JaxEngine:
         if group:
             self._prefill_group(group)
 
-    def _prefill_group(self, group: list[tuple[int, _Request]]) -> None:
+    def _prefill_group(self, group: list[tuple[int, _Request, int]]) -> None:
         """Prefills each request's prompt + output so far (recomputing a retracted one) into its
-        pages, in one call, and samples one token per request. Unused rows write nothing."""
+        pages, from the first token its pages do not hold yet, in one call, and samples one token per
+        request. Unused rows write nothing."""
         rows = 1 if len(group) == 1 else self.prefill_batch
-        longest = max(r.context_length for _, r in group)
+        longest = max(r.context_length - start for _, r, start in group)
         bucket = next(b for b in self.buckets if b >= longest)
-        span = self._span_pages(max(len(self._slot_pages[slot]) for slot, _ in group))
+        span = self._span_pages(max(len(self._slot_pages[slot]) for slot, _, _ in group))
         ids = np.zeros((rows, bucket), np.int32)
         tables = np.full((rows, span), self.num_pages, np.int32)
+        starts = np.zeros(rows, np.int32)
         lengths = np.ones(rows, np.int32)
         seeds = np.full(rows, -1, np.int32)
         temperature, top_p, top_k = np.ones(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.int32)
-        for row, (slot, request) in enumerate(group):
+        for row, (slot, request, start) in enumerate(group):
             context = request.prompt + request.tokens
-            ids[row, :len(context)] = context
+            ids[row, :len(context) - start] = context[start:]
             tables[row] = self._page_table[slot, :span]
-            lengths[row] = len(context)
+            starts[row], lengths[row] = start, len(context)
             s = request.sampling
             seeds[row], temperature[row], top_p[row], top_k[row] = _row_seed(s), s.temperature, s.top_p, s.top_k
         self._cache, tokens, logprobs = self._prefill(
-            self._state, self._cache, jnp.asarray(tables), jnp.asarray(ids), jnp.asarray(lengths), self._next_key(),
+            self._state, self._cache, jnp.asarray(tables), jnp.asarray(ids), jnp.asarray(starts), jnp.asarray(lengths),
+            self._next_key(),
             jnp.asarray(seeds), jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k))
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
-        for row, (slot, request) in enumerate(group):
+        for row, (slot, request, _) in enumerate(group):
             self._active[slot] = request
             self._positions[slot] = lengths[row]
             request.tokens.append(int(tokens[row]))
@@ -478,6 +572,7 @@ class JaxEngine:
         """Gives every running request the page its next position needs, retracting when the pool is out."""
         needy = [i for i, r in enumerate(self._active)
                  if r is not None and self._positions[i] // self.page_size >= len(self._slot_pages[i])]
+        self._reclaim(len(needy))  # cached prefixes go before any running request
         if len(needy) > len(self._free_pages):
             while len(needy) > len(self._free_pages):
                 running = [i for i, r in enumerate(self._active) if r is not None]

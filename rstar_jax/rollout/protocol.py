@@ -53,6 +53,7 @@ class GenerateResult:
     finish_reason: str  # one of FINISH_REASONS
     weight_version: int = 0  # policy version that produced the tokens (the last one, if it changed)
     num_retractions: int = 0  # times KV pressure retracted the request (its tokens were recomputed)
+    cached_tokens: int = 0  # context tokens whose KV a prefix cache supplied (not prefilled again)
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):

@@ -77,7 +77,8 @@ def parse_generate_response(body: dict, *, url: str = "server") -> GenerateResul
         raise SGLangError(f"{url}: unknown finish_reason {finish!r}")
     version = parse_weight_version(meta.get("weight_version"))
     return GenerateResult(output_ids, logprobs, reason, version if version is not None else 0,
-                          num_retractions=int(meta.get("num_retractions") or 0))
+                          num_retractions=int(meta.get("num_retractions") or 0),
+                          cached_tokens=int(meta.get("cached_tokens") or 0))
 
 
 def sampling_payload(sampling: SamplingParams) -> dict:
