@@ -423,17 +423,16 @@ class Qwen3(nnx.Module):
         return self.logits_from_hidden(self.hidden_states(input_ids, positions, segment_ids))
 
     # -- KV-cache forward (prefill and decode) -------------------------------------------------
-    def init_cache(self, batch_size: int, max_length: int, dtype: str | None = None) -> KVCache:
+    def _zero_kv(self, rows: int, length: int, dtype: str | None) -> dict[str, jax.Array]:
         c = self.config
-        dt = _dtype(dtype or c.dtype)
-        shape = (c.num_layers, batch_size, max_length, c.num_kv_heads, c.head_dim)
-        return KVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
+        shape = (c.num_layers, rows, length, c.num_kv_heads, c.head_dim)
+        return {name: jnp.zeros(shape, _dtype(dtype or c.dtype)) for name in ("k", "v")}
+
+    def init_cache(self, batch_size: int, max_length: int, dtype: str | None = None) -> KVCache:
+        return KVCache(**self._zero_kv(batch_size, max_length, dtype))
 
     def init_paged_cache(self, num_pages: int, page_size: int, dtype: str | None = None) -> PagedKVCache:
-        c = self.config
-        dt = _dtype(dtype or c.dtype)
-        shape = (c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
-        return PagedKVCache(k=jnp.zeros(shape, dt), v=jnp.zeros(shape, dt))
+        return PagedKVCache(**self._zero_kv(num_pages, page_size, dtype))
 
     def _cached_forward(self, input_ids, positions, k_cache, v_cache, span: int, write_and_read, logits_at=None):
         """The layer stack over a KV store [layers, ...]: `write_and_read(k_store, v_store, layer, k, v)`

@@ -7,9 +7,9 @@ hold few, and the pool can be smaller than slots x max_length. A background thre
 loop: it admits waiting requests into free slots (one batched prefill for the requests admitted
 together, prompt lengths bucketed to limit recompiles) and then runs one jitted decode step for every
 slot, so new requests are prefilled while others decode. Decode attention reads only the pages that
-cover the longest live sequence, rounded up to 1/8, 1/4, 1/2 or all of the context. Per-slot sampling settings are arrays (temperature, top-p,
-top-k are traced, never static). The asyncio front (`await engine.generate(...)`) implements
-`rstar_jax.rollout.protocol.Generator`.
+cover the longest live sequence, rounded up to 1/8, 1/4, 1/2 or all of the context. Per-slot
+sampling settings are arrays (temperature, top-p, top-k are traced, never static). The asyncio
+front (`await engine.generate(...)`) implements `rstar_jax.rollout.protocol.Generator`.
 
 Admission and retraction follow SGLang's scheduler. A request is admitted when its context plus
 `new_token_ratio` x its remaining output budget fits beside the same estimate for every running
@@ -162,6 +162,7 @@ class JaxEngine:
         self._prefixes: collections.OrderedDict[tuple[int, ...], list[int]] = collections.OrderedDict()
         self._prefix_heads: dict[tuple[int, ...], set[tuple[int, ...]]] = collections.defaultdict(set)
         self._short_prefix_lengths: collections.Counter[int] = collections.Counter()
+        self._cached_page_count = 0  # pages the prefix cache holds (evictable)
         self.prompt_tokens = 0  # context tokens of first admissions, and those the cache supplied
         self.cached_tokens = 0
         self._key = jax.random.key(seed)
@@ -248,7 +249,7 @@ class JaxEngine:
     async def capacity(self) -> Capacity:
         with self._lock:
             running = sum(r is not None for r in self._active)
-            used = (self.num_pages - len(self._free_pages) - self._cached_pages()) * self.page_size
+            used = (self.num_pages - len(self._free_pages) - self._cached_page_count) * self.page_size
             queued = len(self._waiting) + len(self._retracted) + self._incoming.qsize()
             retracted = len(self._retracted)
         return Capacity(total_tokens=self.max_total_tokens, used_tokens=used, running_requests=running,
@@ -385,6 +386,7 @@ class JaxEngine:
         if tokens in self._prefixes:  # the same prefix again (a repeated request): keep the newer pages
             self._free_pages.extend(reversed(self._take_prefix(tokens)))
         self._prefixes[tokens] = pages
+        self._cached_page_count += len(pages)
         self._prefix_heads[tokens[:PREFIX_HEAD]].add(tokens)
         if len(tokens) < PREFIX_HEAD:
             self._short_prefix_lengths[len(tokens)] += 1
@@ -407,13 +409,14 @@ class JaxEngine:
             del self._prefix_heads[head]
         if len(key) < PREFIX_HEAD:
             self._short_prefix_lengths[len(key)] -= 1
-        return self._prefixes.pop(key)
-
-    def _cached_pages(self, keep: tuple[int, ...] | None = None) -> int:
-        return sum(len(pages) for key, pages in self._prefixes.items() if key != keep)
+        pages = self._prefixes.pop(key)
+        self._cached_page_count -= len(pages)
+        return pages
 
     def _reclaim(self, pages: int, keep: tuple[int, ...] | None = None) -> None:
         """Evicts cached prefixes, least recently cached first (never `keep`), until `pages` are free."""
+        if len(self._free_pages) >= pages:  # the common case, every decode step: nothing to evict
+            return
         for key in list(self._prefixes):
             if len(self._free_pages) >= pages:
                 return
@@ -490,7 +493,9 @@ class JaxEngine:
 
     def _admit(self) -> None:
         """Fills free slots, retracted requests first, while SGLang's estimate of the pool fits them."""
-        if self._pause_mode is not None:
+        if self._pause_mode is not None or all(r is not None for r in self._active):
+            return
+        if not self._retracted and (not self._waiting or self._admission_blocks):
             return
         running = [r for r in self._active if r is not None]
         ratio = self._new_token_ratio
@@ -510,7 +515,8 @@ class JaxEngine:
             hit = self._lookup_prefix(context) if self._prefixes else None
             reused = len(self._prefixes[hit]) if hit else 0
             pages = self._pages_for(len(context))
-            available = len(self._free_pages) + self._cached_pages(keep=hit)  # cached pages are evictable
+            # Cached pages are evictable; the hit's own pages count as the request's, not as room.
+            available = len(self._free_pages) + self._cached_page_count - reused
             estimate = ratio * self._remaining_budget(request)
             if running and (pages - reused > available or pages * self.page_size + estimate
                             > (available + reused) * self.page_size - reserved):
@@ -534,6 +540,17 @@ class JaxEngine:
         if group:
             self._prefill_group(group)
 
+    @staticmethod
+    def _sampling_arrays(rows: int, requests: dict[int, _Request]) -> tuple[np.ndarray, ...]:
+        """Per-row (seeds, temperature, top_p, top_k) for the requests at their rows; other rows get
+        unseeded defaults (their outputs are ignored)."""
+        seeds = np.full(rows, -1, np.int32)
+        temperature, top_p, top_k = np.ones(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.int32)
+        for row, request in requests.items():
+            s = request.sampling
+            seeds[row], temperature[row], top_p[row], top_k[row] = _row_seed(s), s.temperature, s.top_p, s.top_k
+        return seeds, temperature, top_p, top_k
+
     def _prefill_group(self, group: list[tuple[int, _Request, int]]) -> None:
         """Prefills each request's prompt + output so far (recomputing a retracted one) into its
         pages, from the first token its pages do not hold yet, in one call, and samples one token per
@@ -546,15 +563,12 @@ class JaxEngine:
         tables = np.full((rows, span), self.num_pages, np.int32)
         starts = np.zeros(rows, np.int32)
         lengths = np.ones(rows, np.int32)
-        seeds = np.full(rows, -1, np.int32)
-        temperature, top_p, top_k = np.ones(rows, np.float32), np.ones(rows, np.float32), np.zeros(rows, np.int32)
         for row, (slot, request, start) in enumerate(group):
             context = request.prompt + request.tokens
             ids[row, :len(context) - start] = context[start:]
             tables[row] = self._page_table[slot, :span]
             starts[row], lengths[row] = start, len(context)
-            s = request.sampling
-            seeds[row], temperature[row], top_p[row], top_k[row] = _row_seed(s), s.temperature, s.top_p, s.top_k
+        seeds, temperature, top_p, top_k = self._sampling_arrays(rows, {row: r for row, (_, r, _) in enumerate(group)})
         self._cache, tokens, logprobs = self._prefill(
             self._state, self._cache, jnp.asarray(tables), jnp.asarray(ids), jnp.asarray(starts), jnp.asarray(lengths),
             self._next_key(),
@@ -597,15 +611,9 @@ class JaxEngine:
             return
         self._grow_pages()
         active = [i for i, r in enumerate(self._active) if r is not None]
-        temperature = np.ones(self.slots, np.float32)
-        top_p = np.ones(self.slots, np.float32)
-        top_k = np.zeros(self.slots, np.int32)
-        seeds = np.full(self.slots, -1, np.int32)
+        seeds, temperature, top_p, top_k = self._sampling_arrays(self.slots, {i: self._active[i] for i in active})
         positions = np.full(self.slots, self._span, np.int32)  # idle slots: writes are dropped
-        for i in active:
-            s = self._active[i].sampling
-            temperature[i], top_p[i], top_k[i], seeds[i] = s.temperature, s.top_p, s.top_k, _row_seed(s)
-            positions[i] = self._positions[i]
+        positions[active] = self._positions[active]
         span = self._span_pages(max(len(self._slot_pages[i]) for i in active))
         self._cache, tokens, logprobs = self._decode(
             self._state, self._cache, jnp.asarray(self._page_table[:, :span]), jnp.asarray(self._last_token),
