@@ -85,6 +85,30 @@ def test_sharded_export_with_index_and_bf16(tmp_path, tokens):
     )
 
 
+def test_dtypes_may_be_given_as_jax_dtypes(tmp_path):
+    hf = _hf_model(False, 10_000.0)
+    hf.save_pretrained(tmp_path / "hf")
+    by_name = load_pretrained(tmp_path / "hf", dtype="bfloat16", param_dtype="bfloat16")
+    by_dtype = load_pretrained(tmp_path / "hf", dtype=jnp.bfloat16, param_dtype=jnp.dtype("bfloat16"))
+    assert by_dtype.config == by_name.config and by_dtype.config.dtype == by_dtype.config.param_dtype == "bfloat16"
+    assert by_dtype.embed[...].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(by_dtype.q_proj[...]), np.asarray(by_name.q_proj[...]))
+
+    ours = load_pretrained(tmp_path / "hf")
+    save_pretrained(ours, tmp_path / "bf16", dtype=jnp.bfloat16)
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["dtype"] == "bfloat16"
+    reloaded = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    weight = reloaded.model.layers[1].mlp.down_proj.weight
+    assert weight.dtype == torch.bfloat16
+    expected = np.asarray(ours.down_proj[...])[1].T.astype(jnp.bfloat16).astype(np.float32)
+    np.testing.assert_array_equal(weight.detach().float().numpy(), expected)
+
+    with pytest.raises(ValueError, match=r"load_pretrained\.dtype must be one of \['bfloat16', 'float16', 'float32'\]"):
+        load_pretrained(tmp_path / "hf", dtype=jnp.int32)
+    with pytest.raises(ValueError, match=r"save_pretrained\.dtype must be one of"):
+        save_pretrained(ours, tmp_path / "bad", dtype=np.int8)
+
+
 def test_loader_accepts_transformers4_config_form(tmp_path):
     hf = _hf_model(True, 10_000.0)
     hf.save_pretrained(tmp_path / "hf")

@@ -1,4 +1,10 @@
-"""Qwen3 forward: KV-cache decode, packing, sharded equivalence, memory plan, cuDNN attention."""
+"""Qwen3 forward: paged KV-cache decode, packing, sharded equivalence, memory plan, dtypes, cuDNN attention.
+
+Greedy generation over the paged cache (argmax and log-probs equal to repeated full forwards) is
+tested through the engine in test_engine.py.
+"""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -6,11 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rstar_jax.model.generate import greedy_generate
-from rstar_jax.model.qwen3 import Qwen3, Qwen3Config, sequence_positions
-from rstar_jax.parallel import (
-    DEFAULT_RULES, create_sharded_model, make_mesh, memory_plan, model_shardings, param_shardings,
-)
+from rstar_jax.model.qwen3 import Qwen3, Qwen3Config, dtype_name, sequence_positions
+from rstar_jax.parallel import DEFAULT_RULES, create_sharded_model, make_mesh, memory_plan, param_shardings
 
 CONFIG = Qwen3Config.tiny()
 
@@ -30,45 +33,15 @@ def _forward(model, ids, positions, segment_ids):
 
 
 @nnx.jit
-def _cached(model, ids, positions, cache):
-    return model.forward_with_cache(ids, positions, cache)
-
-
-def test_prefill_then_decode_matches_full_forward(model):
-    with jax.default_matmul_precision("highest"):
-        ids = _ids((2, 20))
-        full = model(ids)
-        cache = model.init_cache(2, 32)
-        pos = jnp.broadcast_to(jnp.arange(12), (2, 12))
-        logits, cache = _cached(model, ids[:, :12], pos, cache)
-        steps = [logits]
-        for t in range(12, 20):
-            step_logits, cache = _cached(model, ids[:, t:t + 1], jnp.full((2, 1), t), cache)
-            steps.append(step_logits)
-        np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-5, rtol=1e-5)
-
-
-def test_decode_rows_at_different_positions(model):
-    """Continuous batching: two rows at different lengths decode in one batch."""
-    with jax.default_matmul_precision("highest"):
-        a, b = _ids((1, 15), 1), _ids((1, 9), 2)
-        cache = model.init_cache(2, 32)
-        prompt = jnp.concatenate([a[:, :14], jnp.pad(b[:, :8], ((0, 0), (0, 6)))], axis=0)
-        pos = jnp.broadcast_to(jnp.arange(14), (2, 14))
-        _, cache = _cached(model, prompt, pos, cache)
-        step, _ = _cached(model, jnp.stack([a[0, 14:15], b[0, 8:9]]), jnp.array([[14], [8]]), cache)
-        np.testing.assert_allclose(step[0, 0], model(a)[0, 14], atol=1e-5, rtol=1e-5)
-        np.testing.assert_allclose(step[1, 0], model(b)[0, 8], atol=1e-5, rtol=1e-5)
-
-
-@nnx.jit
 def _paged(model, ids, positions, cache, page_table):
     return model.forward_with_paged_cache(ids, positions, cache, page_table)
 
 
 def test_paged_cache_with_scattered_pages_matches_full_forward(model):
-    """Two rows whose pages lie out of order in one pool that starts full of garbage; entries equal to
-    the pool size (9) are unallocated: nothing is written there and nothing read there reaches the
+    """Prefill then decode equals the full forward, for two rows at different positions (continuous
+    batching: the shorter row's padding is written past its end, then overwritten by its decode).
+    The rows' pages lie out of order in one pool that starts full of garbage; entries equal to the
+    pool size (9) are unallocated: nothing is written there and nothing read there reaches the
     output, and pages no row holds are left untouched."""
     num_pages, page_size, free = 9, 4, 9
     with jax.default_matmul_precision("highest"):
@@ -93,19 +66,6 @@ def test_paged_cache_with_scattered_pages_matches_full_forward(model):
         np.testing.assert_allclose(steps[1], model(b)[0, 6:10], atol=1e-4, rtol=1e-5)
         untouched = jnp.array([1, 4, 5])
         np.testing.assert_array_equal(cache.k[:, untouched], garbage[:, untouched])
-
-
-def test_greedy_generate_equals_stepwise_argmax(model):
-    ids = _ids((2, 10), 3)
-    lengths = jnp.array([10, 6])
-    tokens, logprobs = greedy_generate(model, ids, lengths, 5)
-    for row in range(2):
-        seq = list(np.asarray(ids[row, :int(lengths[row])]))
-        for i in range(5):
-            logits = model(jnp.asarray([seq]))[0, -1]
-            seq.append(int(jnp.argmax(logits)))
-            np.testing.assert_allclose(logprobs[row, i], jax.nn.log_softmax(logits)[seq[-1]], atol=1e-5)
-        assert seq[int(lengths[row]):] == tokens[row].tolist()
 
 
 def test_packed_sequences_equal_each_alone(model):
@@ -160,7 +120,7 @@ def test_sharded_forward_and_grads_equal_single_device(model, mesh_shape):
         assert array.sharding.mesh.shape == mesh.shape, name
         assert tuple(array.sharding.spec) == spec, (name, array.sharding.spec)
         assert tuple(param_shardings(sharded, mesh)[name].spec) == spec
-        assert model_shardings(sharded, mesh)[name] == array.sharding
+        assert param_shardings(sharded, mesh)[name] == array.sharding
     ids = _ids((4, 16), 6)
     with jax.default_matmul_precision("highest"):
         loss_1, grads_1 = _loss_and_grads(model, ids)
@@ -203,6 +163,35 @@ def test_memory_plan_14b_matches_hand_computation():
     assert memory_plan(c, make_mesh(1, 8, 1)).param_bytes == 4 * per_device_8
     with pytest.raises(ValueError, match="unknown mesh axes"):
         memory_plan(c, {"model": 8})
+
+
+def test_dtypes_are_names_or_jax_and_numpy_dtypes(model):
+    """A dtype may be given by name or as a JAX/NumPy dtype; configs store the name, so both spellings
+    give equal configs (and share compilations); an unsupported dtype names the field."""
+    for given in ("float16", jnp.float16, np.float16, jnp.dtype("float16")):
+        assert Qwen3Config.tiny(dtype=given).dtype == "float16"
+    config = Qwen3Config.tiny(dtype=jnp.bfloat16, param_dtype=np.float32)
+    assert config == Qwen3Config.tiny(dtype="bfloat16", param_dtype="float32")
+    assert hash(config) == hash(Qwen3Config.tiny(dtype="bfloat16", param_dtype="float32"))
+    assert dataclasses.replace(config, param_dtype=jnp.bfloat16).param_dtype == "bfloat16"
+    assert Qwen3Config.preset("qwen3-0.6b", dtype=jnp.bfloat16).dtype == "bfloat16"
+    assert dtype_name(jnp.dtype("bfloat16")) == "bfloat16"
+    with pytest.raises(ValueError, match=r"Qwen3Config\.dtype must be one of \['bfloat16', 'float16', 'float32'\], "
+                                         r"got 'int32'"):
+        Qwen3Config.tiny(dtype=jnp.int32)
+    with pytest.raises(ValueError, match=r"Qwen3Config\.param_dtype must be one of .*got 'int8'"):
+        Qwen3Config.tiny(param_dtype="int8")
+
+    assert model.init_paged_cache(2, 4, dtype=jnp.bfloat16).k.dtype == jnp.bfloat16
+    assert model.init_paged_cache(2, 4).v.dtype == jnp.float32  # the compute dtype
+    with pytest.raises(ValueError, match=r"init_paged_cache\.dtype must be one of"):
+        model.init_paged_cache(2, 4, dtype=np.int32)
+
+    c = Qwen3Config.qwen3_14b()
+    assert memory_plan(c, {"fsdp": 64}, param_dtype=jnp.bfloat16, opt_state_dtype=np.float32) == \
+        memory_plan(c, {"fsdp": 64}, param_dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"memory_plan\.grad_dtype must be one of"):
+        memory_plan(c, {"fsdp": 64}, grad_dtype=jnp.int32)
 
 
 def test_every_preset_matches_published_shapes():

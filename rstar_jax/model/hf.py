@@ -18,17 +18,18 @@ import dataclasses
 import json
 import os
 import pathlib
-import re
 import struct
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
 
-from rstar_jax.model.qwen3 import Qwen3, Qwen3Config, abstract_model
+from rstar_jax.model.qwen3 import Qwen3, Qwen3Config, abstract_model, dtype_name
+from rstar_jax.model.sharding import DEFAULT_RULES, param_shardings, set_activation_shardings
 
 # ---------------------------------------------------------------------------------------------
 # The mapping table.
@@ -239,23 +240,23 @@ def load_pretrained(
     *,
     mesh: jax.sharding.Mesh | None = None,
     rules: Sequence | None = None,
-    dtype: str | None = None,
-    param_dtype: str | None = None,
+    dtype: DTypeLike | None = None,
+    param_dtype: DTypeLike | None = None,
     config_overrides: dict | None = None,
 ) -> Qwen3:
     """Loads a Hugging Face Qwen3 directory into a (sharded) `Qwen3`.
 
-    Every expected tensor must be present with the expected shape, and no unexpected tensor may be
-    left over; otherwise a `CheckpointError` names the tensor and nothing is returned.
+    `dtype` (compute) and `param_dtype` are names or JAX/NumPy dtypes (`"bfloat16"`, `jnp.bfloat16`);
+    by default computation and parameters are float32. Every expected tensor must be present with
+    the expected shape, and no unexpected tensor may be left over; otherwise a `CheckpointError`
+    names the tensor and nothing is returned.
     """
-    from rstar_jax.parallel import DEFAULT_RULES, param_shardings
-
     path = pathlib.Path(path)
     overrides = dict(config_overrides or {})
     if dtype is not None:
-        overrides["dtype"] = dtype
+        overrides["dtype"] = dtype_name(dtype, "load_pretrained.dtype")
     if param_dtype is not None:
-        overrides["param_dtype"] = param_dtype
+        overrides["param_dtype"] = dtype_name(param_dtype, "load_pretrained.param_dtype")
     config = load_config(path, **overrides)
     reader = SafetensorsReader(_checkpoint_files(path))
     abstract = abstract_model(config)
@@ -313,8 +314,6 @@ def load_pretrained(
     for name, value in loaded.items():
         getattr(model, name).set_value(value)
     if mesh is not None:
-        from rstar_jax.parallel import set_activation_shardings
-
         set_activation_shardings(model, mesh, rules or DEFAULT_RULES)
     return model
 
@@ -323,10 +322,11 @@ def load_pretrained(
 # Export
 # ---------------------------------------------------------------------------------------------
 
-def hf_tensors(model: Qwen3, dtype: str | None = None) -> Iterable[tuple[str, np.ndarray]]:
-    """Yields (hf_key, array) one tensor at a time, gathered to the host."""
+def hf_tensors(model: Qwen3, dtype: DTypeLike | None = None) -> Iterable[tuple[str, np.ndarray]]:
+    """Yields (hf_key, array) one tensor at a time, gathered to the host, in `dtype` (a name or a
+    JAX/NumPy dtype; default `config.param_dtype`)."""
     config = model.config
-    out_dtype = np.dtype(jnp.dtype(dtype or config.param_dtype))
+    out_dtype = np.dtype(jnp.dtype(config.param_dtype if dtype is None else dtype_name(dtype, "hf_tensors.dtype")))
     for m in _param_mappings(config):
         value = np.asarray(jax.device_get(getattr(model, m.param)[...]))
         if m.stacked:
@@ -340,14 +340,17 @@ def save_pretrained(
     model: Qwen3,
     path: str | os.PathLike,
     *,
-    dtype: str | None = None,
+    dtype: DTypeLike | None = None,
     max_shard_bytes: int = 4 << 30,
 ) -> pathlib.Path:
-    """Writes config.json, generation_config.json and safetensors (sharded with an index when large)."""
+    """Writes config.json, generation_config.json and safetensors (sharded with an index when large).
+
+    `dtype`: the tensors' dtype, a name or a JAX/NumPy dtype (default `config.param_dtype`).
+    """
+    config = model.config
+    out_dtype = config.param_dtype if dtype is None else dtype_name(dtype, "save_pretrained.dtype")
     path = pathlib.Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    config = model.config
-    out_dtype = dtype or config.param_dtype
     if jax.process_index() != 0:
         return path  # one writer; every process still gathers so collectives stay matched
     shards: list[dict[str, np.ndarray]] = [{}]

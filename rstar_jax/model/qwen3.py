@@ -3,7 +3,7 @@
 Layer parameters are stacked along a leading ``layers`` axis and the decoder runs as one
 ``jax.lax.scan``: a 40-layer 14B model compiles as fast as a 2-layer one, and per-layer remat is a
 policy on the scanned body. Every parameter carries logical axis names (metadata ``logical_axes``)
-that `rstar_jax.parallel` maps to mesh axes through a rules table.
+that `rstar_jax.model.sharding` maps to mesh axes through a rules table.
 
 Numerics follow Hugging Face ``Qwen3ForCausalLM``: RMSNorm in fp32 with weight applied after the
 cast back, per-head q/k RMSNorm before RoPE, half-split ("rotate_half") RoPE, grouped-query
@@ -20,6 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.typing import DTypeLike
+
+from rstar_jax.errors import ConfigError
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -38,11 +41,18 @@ REMAT_POLICIES = {
 ATTENTION_IMPLS = ("xla", "cudnn")
 
 
-def _dtype(name: str):
+def dtype_name(dtype: DTypeLike, field: str = "dtype") -> str:
+    """The canonical name ("bfloat16", "float16", "float32") of a dtype given by name or as a JAX/NumPy
+    dtype (`jnp.bfloat16`, `np.float32`, `jnp.dtype("bfloat16")`); anything else is a ValueError
+    naming `field`."""
     try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; expected one of {sorted(_DTYPES)}") from None
+        name = jnp.dtype(dtype).name if dtype is not None else None
+    except TypeError:
+        name = None
+    if name not in _DTYPES:
+        got = repr(name) if name is not None and not isinstance(dtype, str) else repr(dtype)
+        raise ValueError(f"{field} must be one of {sorted(_DTYPES)}, got {got}")
+    return name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,12 +68,16 @@ class Qwen3Config:
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 40960
+    # Given by name or as a JAX/NumPy dtype; stored as the canonical name so configs compare and hash
+    # alike whichever way they were written.
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype
     remat_policy: str = "none"
     attention_impl: str = "xla"
 
     def __post_init__(self):
+        for name in ("param_dtype", "dtype"):
+            object.__setattr__(self, name, dtype_name(getattr(self, name), f"Qwen3Config.{name}"))
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
@@ -80,9 +94,6 @@ class Qwen3Config:
             raise ValueError(f"Qwen3Config.rope_theta must be > 0, got {self.rope_theta}")
         if not 0 < self.rms_norm_eps < 1:
             raise ValueError(f"Qwen3Config.rms_norm_eps must be in (0, 1), got {self.rms_norm_eps}")
-        for name in ("param_dtype", "dtype"):
-            if getattr(self, name) not in _DTYPES:
-                raise ValueError(f"Qwen3Config.{name} must be one of {sorted(_DTYPES)}, got {getattr(self, name)!r}")
         if self.remat_policy not in REMAT_POLICIES:
             raise ValueError(f"Qwen3Config.remat_policy must be one of {sorted(REMAT_POLICIES)}, got {self.remat_policy!r}")
         if self.attention_impl not in ATTENTION_IMPLS:
@@ -135,6 +146,38 @@ class Qwen3Config:
             raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(presets)}")
         return presets[key](**kw)
 
+    @classmethod
+    def from_config(cls, config, stored: dict | None = None) -> "Qwen3Config":
+        """The shape `config.model` describes: its preset plus the non-None overrides, with its compute
+        settings. `stored`: a checkpoint's stored run config, whose model shape (preset, overrides,
+        parameter dtype) wins. A ConfigError names the config field of an invalid value."""
+        m = config.model
+        preset, param_dtype = m.preset, m.param_dtype
+        overrides = {k: v for k, v in m.overrides.items() if v is not None}
+        where = "config.model"
+        saved = (stored or {}).get("model")
+        if isinstance(saved, dict):
+            where = "the checkpoint's stored config.model"
+            preset, param_dtype = saved.get("preset", preset), saved.get("param_dtype", param_dtype)
+            if isinstance(saved.get("overrides"), dict):  # the stored shape, not a mix with this config's
+                overrides = {k: v for k, v in saved["overrides"].items() if v is not None}
+        try:
+            return cls.preset(preset, dtype=m.dtype, param_dtype=param_dtype, remat_policy=m.remat_policy,
+                              attention_impl=m.attention_impl, **overrides)
+        except TypeError as e:
+            raise ConfigError(f"{where}.overrides: {e}") from None
+        except ValueError as e:
+            message = " ".join(str(e).split())
+            if message.startswith("unknown model preset"):
+                raise ConfigError(f"{where}.preset: {message}") from None
+            name, _, rest = message.removeprefix("Qwen3Config.").partition(" ")
+            if message.startswith("Qwen3Config.") and name in ("dtype", "param_dtype", "remat_policy",
+                                                               "attention_impl"):
+                raise ConfigError(f"{where}.{name}: {rest}") from None
+            if message.startswith("Qwen3Config.") and name in m.overrides:
+                raise ConfigError(f"{where}.overrides.{name}: {rest}") from None
+            raise ConfigError(f"{where}: {message}") from None
+
     # -- Hugging Face config.json ----------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict, **overrides) -> "Qwen3Config":
@@ -173,8 +216,8 @@ class Qwen3Config:
         kw.update(overrides)
         return cls(**kw)
 
-    def to_hf_dict(self, torch_dtype: str | None = None) -> dict:
-        dtype = torch_dtype or self.param_dtype
+    def to_hf_dict(self, torch_dtype: DTypeLike | None = None) -> dict:
+        dtype = self.param_dtype if torch_dtype is None else dtype_name(torch_dtype, "to_hf_dict.torch_dtype")
         return {
             "architectures": ["Qwen3ForCausalLM"],
             "model_type": "qwen3",
@@ -208,19 +251,6 @@ class Qwen3Config:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class KVCache:
-    """Preallocated per-row key/value cache indexed by absolute position: [layers, batch, length, kv_heads, head_dim]."""
-
-    k: jax.Array
-    v: jax.Array
-
-    @property
-    def max_length(self) -> int:
-        return self.k.shape[2]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
 class PagedKVCache:
     """A pool of fixed-size KV pages shared by all sequences: [layers, pages, page_size, kv_heads, head_dim].
 
@@ -242,7 +272,7 @@ class PagedKVCache:
 
 
 # ---------------------------------------------------------------------------------------------
-# Pure building blocks (shared by the full forward and the cached forward).
+# Pure building blocks (shared by the full forward and the paged-cache forward).
 # ---------------------------------------------------------------------------------------------
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -306,7 +336,7 @@ class Qwen3(nnx.Module):
     def __init__(self, config: Qwen3Config, *, rngs: nnx.Rngs):
         self.config = config
         c = config
-        pdt = _dtype(c.param_dtype)
+        pdt = _DTYPES[c.param_dtype]
         L, D, F, H, K, HD, V = (c.num_layers, c.hidden_size, c.intermediate_size, c.num_heads,
                                 c.num_kv_heads, c.head_dim, c.vocab_size)
         normal = jax.nn.initializers.normal(0.02)
@@ -331,7 +361,7 @@ class Qwen3(nnx.Module):
         if not c.tie_word_embeddings:
             self.lm_head = param((D, V), ("embed", "vocab"))
         # Optional activation sharding constraints as hashable ((kind, sharding), ...) pairs, set by
-        # rstar_jax.parallel; static graph metadata, not state.
+        # rstar_jax.model.sharding.set_activation_shardings; static graph metadata, not state.
         self.activation_shardings: tuple[tuple[str, Any], ...] = ()
 
     LAYER_PARAMS = ("input_norm", "q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm",
@@ -362,7 +392,7 @@ class Qwen3(nnx.Module):
         return self.lm_head[...]
 
     def _embed(self, input_ids):
-        dt = _dtype(self.config.dtype)
+        dt = _DTYPES[self.config.dtype]
         h = jnp.take(self.embed[...], input_ids, axis=0).astype(dt)
         return self._constrain(h, "act_btd")
 
@@ -422,69 +452,26 @@ class Qwen3(nnx.Module):
     def __call__(self, input_ids, positions=None, segment_ids=None) -> jax.Array:
         return self.logits_from_hidden(self.hidden_states(input_ids, positions, segment_ids))
 
-    # -- KV-cache forward (prefill and decode) -------------------------------------------------
-    def _zero_kv(self, rows: int, length: int, dtype: str | None) -> dict[str, jax.Array]:
+    # -- paged KV-cache forward (prefill and decode) -------------------------------------------
+    def init_paged_cache(self, num_pages: int, page_size: int, dtype: DTypeLike | None = None) -> PagedKVCache:
+        """A zeroed page pool; `dtype` (a name or JAX/NumPy dtype) defaults to the compute dtype."""
         c = self.config
-        shape = (c.num_layers, rows, length, c.num_kv_heads, c.head_dim)
-        return {name: jnp.zeros(shape, _dtype(dtype or c.dtype)) for name in ("k", "v")}
-
-    def init_cache(self, batch_size: int, max_length: int, dtype: str | None = None) -> KVCache:
-        return KVCache(**self._zero_kv(batch_size, max_length, dtype))
-
-    def init_paged_cache(self, num_pages: int, page_size: int, dtype: str | None = None) -> PagedKVCache:
-        return PagedKVCache(**self._zero_kv(num_pages, page_size, dtype))
-
-    def _cached_forward(self, input_ids, positions, k_cache, v_cache, span: int, write_and_read, logits_at=None):
-        """The layer stack over a KV store [layers, ...]: `write_and_read(k_store, v_store, layer, k, v)`
-        writes the new tokens' K/V into layer `layer` and returns the updated stores plus every row's
-        keys/values [B, span, kv_heads, hd] indexed by absolute position; attention sees positions <=
-        each token's own. The stores ride in the scan's carry and are updated where they lie: slicing
-        them per layer (scan xs/ys) would copy the whole cache every step. `logits_at` [B]: unembed
-        only that position of each row (logits [B, 1, V]), as a prefill needs."""
-        c = self.config
-        h = self._embed(input_ids)
-        mask = jnp.arange(span)[None, None, :] <= positions[:, :, None]  # [B, T, span]
-
-        def layer(carry, xs):
-            h, k_store, v_store = carry
-            p, index = xs
-            x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
-            q, k, v = self._qkv(p, x, positions)
-            k_store, v_store, k_all, v_all = write_and_read(k_store, v_store, index, k, v)
-            attn = xla_attention(q, k_all.astype(q.dtype), v_all.astype(q.dtype), mask)
-            return (self._finish_layer(p, h, attn), k_store, v_store), None
-
-        layers = jnp.arange(c.num_layers, dtype=jnp.int32)
-        (h, k_new, v_new), _ = jax.lax.scan(layer, (h, k_cache, v_cache), (self._layer_params(), layers))
-        if logits_at is not None:
-            h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)
-        h = rms_norm(h, self.final_norm[...], c.rms_norm_eps)
-        return self.logits_from_hidden(h), k_new, v_new
-
-    def forward_with_cache(self, input_ids, positions, cache: KVCache) -> tuple[jax.Array, KVCache]:
-        """Writes the new tokens' K/V at their absolute positions, attends to cache[<= position].
-
-        input_ids, positions: [B, T]. Positions may differ per row (continuous batching); positions
-        at or beyond the cache length are dropped (their outputs are meaningless).
-        """
-        rows = jnp.arange(input_ids.shape[0])[:, None]
-
-        def write_and_read(k_cache, v_cache, layer, k, v):
-            k_cache = k_cache.at[layer, rows, positions].set(k.astype(k_cache.dtype), mode="drop")
-            v_cache = v_cache.at[layer, rows, positions].set(v.astype(v_cache.dtype), mode="drop")
-            return k_cache, v_cache, k_cache[layer], v_cache[layer]
-
-        logits, k, v = self._cached_forward(input_ids, positions, cache.k, cache.v, cache.max_length, write_and_read)
-        return logits, KVCache(k=k, v=v)
+        dtype = _DTYPES[dtype_name(c.dtype if dtype is None else dtype, "init_paged_cache.dtype")]
+        shape = (c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
+        return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     def forward_with_paged_cache(self, input_ids, positions, cache: PagedKVCache, page_table: jax.Array,
                                  logits_at: jax.Array | None = None) -> tuple[jax.Array, PagedKVCache]:
-        """`forward_with_cache` over a shared page pool; page_table [B, pages_per_sequence] (see PagedKVCache).
+        """Writes the new tokens' K/V at their absolute positions and attends to positions <= each
+        token's own, over a shared page pool; page_table [B, pages_per_sequence] (see PagedKVCache).
 
-        Each row reads its pages back in order (a gather of pages_per_sequence * page_size positions),
-        so the attention is the dense one over that row's span. Positions whose page is not allocated,
-        or beyond the span, write nothing. `logits_at` [B]: return logits [B, 1, V] of that position only.
+        input_ids, positions: [B, T]. Positions may differ per row (continuous batching). Each row reads
+        its pages back in order (a gather of pages_per_sequence * page_size positions), so the attention
+        is the dense one over that row's span. Positions whose page is not allocated, or beyond the
+        span, write nothing (their outputs are meaningless). `logits_at` [B]: unembed only that
+        position of each row and return logits [B, 1, V], as a prefill needs.
         """
+        c = self.config
         b, pages_per_sequence = page_table.shape
         page_size = cache.page_size
         span = pages_per_sequence * page_size
@@ -492,17 +479,30 @@ class Qwen3(nnx.Module):
         write_page = jnp.take_along_axis(page_table, page_index, axis=1)
         write_page = jnp.where((positions >= 0) & (positions < span), write_page, cache.num_pages)
         offset = positions % page_size
+        h = self._embed(input_ids)
+        mask = jnp.arange(span)[None, None, :] <= positions[:, :, None]  # [B, T, span]
 
-        def write_and_read(k_pool, v_pool, layer, k, v):
-            k_pool = k_pool.at[layer, write_page, offset].set(k.astype(k_pool.dtype), mode="drop")
-            v_pool = v_pool.at[layer, write_page, offset].set(v.astype(v_pool.dtype), mode="drop")
+        def layer(carry, xs):
+            # The pools ride in the scan's carry and are updated where they lie: slicing them per
+            # layer (scan xs/ys) would copy the whole cache every step.
+            h, k_pool, v_pool = carry
+            p, index = xs
+            x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
+            q, k, v = self._qkv(p, x, positions)
+            k_pool = k_pool.at[index, write_page, offset].set(k.astype(k_pool.dtype), mode="drop")
+            v_pool = v_pool.at[index, write_page, offset].set(v.astype(v_pool.dtype), mode="drop")
             # Unallocated entries are clipped onto a real page; the mask hides what they read.
-            k_seq = k_pool.at[layer, page_table].get(mode="clip").reshape(b, span, *k_pool.shape[3:])
-            v_seq = v_pool.at[layer, page_table].get(mode="clip").reshape(b, span, *v_pool.shape[3:])
-            return k_pool, v_pool, k_seq, v_seq
+            k_seq = k_pool.at[index, page_table].get(mode="clip").reshape(b, span, *k_pool.shape[3:])
+            v_seq = v_pool.at[index, page_table].get(mode="clip").reshape(b, span, *v_pool.shape[3:])
+            attn = xla_attention(q, k_seq.astype(q.dtype), v_seq.astype(q.dtype), mask)
+            return (self._finish_layer(p, h, attn), k_pool, v_pool), None
 
-        logits, k, v = self._cached_forward(input_ids, positions, cache.k, cache.v, span, write_and_read, logits_at)
-        return logits, PagedKVCache(k=k, v=v)
+        layers = jnp.arange(c.num_layers, dtype=jnp.int32)
+        (h, k_pool, v_pool), _ = jax.lax.scan(layer, (h, cache.k, cache.v), (self._layer_params(), layers))
+        if logits_at is not None:
+            h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)
+        h = rms_norm(h, self.final_norm[...], c.rms_norm_eps)
+        return self.logits_from_hidden(h), PagedKVCache(k=k_pool, v=v_pool)
 
 
 def param_logical_axes(model: Qwen3) -> dict[str, tuple[str, ...]]:
@@ -533,6 +533,6 @@ def sequence_positions(segment_ids: jax.Array) -> jax.Array:
 
 
 __all__: Sequence[str] = (
-    "Qwen3Config", "Qwen3", "KVCache", "PagedKVCache", "abstract_model", "param_logical_axes", "sequence_positions",
-    "REMAT_POLICIES", "ATTENTION_IMPLS",
+    "Qwen3Config", "Qwen3", "PagedKVCache", "abstract_model", "param_logical_axes", "sequence_positions",
+    "dtype_name", "REMAT_POLICIES", "ATTENTION_IMPLS",
 )

@@ -1,18 +1,24 @@
-"""Meshes, logical-axis rules, sharded initialisation and memory planning."""
+"""Meshes, sharded initialisation and memory planning.
 
-from rstar_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES, logical_sharding, logical_to_spec, make_mesh
-from rstar_jax.parallel.sharding import (
-    create_sharded_model,
-    model_shardings,
+The logical-axis rules and the shardings they give (`DEFAULT_RULES`, `param_shardings`, ...) are the
+model's own (`rstar_jax.model.sharding`) and are re-exported here.
+"""
+
+from rstar_jax.model.sharding import (
+    DEFAULT_RULES,
+    MESH_AXES,
+    logical_sharding,
+    logical_to_spec,
     param_shardings,
     set_activation_shardings,
-    shard_model,
     state_shardings,
 )
+from rstar_jax.parallel.mesh import make_mesh, maybe_initialize_distributed
+from rstar_jax.parallel.sharding import create_sharded_model, shard_model
 
 __all__ = [
-    "DEFAULT_RULES", "MESH_AXES", "make_mesh", "logical_sharding", "logical_to_spec",
-    "MemoryPlan", "memory_plan", "create_sharded_model", "model_shardings", "param_shardings",
+    "DEFAULT_RULES", "MESH_AXES", "make_mesh", "maybe_initialize_distributed", "logical_sharding", "logical_to_spec",
+    "MemoryPlan", "memory_plan", "create_sharded_model", "param_shardings",
     "state_shardings", "shard_model", "set_activation_shardings",
 ]
 

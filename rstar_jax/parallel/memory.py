@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
+from jax.typing import DTypeLike
 
-from rstar_jax.model.qwen3 import Qwen3Config, abstract_model
-from rstar_jax.parallel.mesh import DEFAULT_RULES, MESH_AXES, _rules_dict
+from rstar_jax.model.qwen3 import Qwen3Config, abstract_model, dtype_name
+from rstar_jax.model.sharding import DEFAULT_RULES, MESH_AXES, rules_dict
 
 GIB = 1 << 30
 
@@ -44,7 +45,7 @@ class MemoryPlan:
 
 def _shard_factor(shape, logical_axes, rules, mesh_shape) -> int:
     """How many ways a parameter is split (same divisibility rule as the real sharding)."""
-    table = _rules_dict(rules)
+    table = rules_dict(rules)
     used: set[str] = set()
     factor = 1
     for dim, name in enumerate(logical_axes):
@@ -65,13 +66,17 @@ def memory_plan(
     mesh_shape: dict[str, int] | Mesh,
     *,
     rules=DEFAULT_RULES,
-    param_dtype: str | None = None,
-    grad_dtype: str | None = None,
-    opt_state_dtype: str = "float32",
+    param_dtype: DTypeLike | None = None,
+    grad_dtype: DTypeLike | None = None,
+    opt_state_dtype: DTypeLike = "float32",
     optimizer: str = "adamw",
     preset: str = "",
 ) -> MemoryPlan:
-    """Bytes per device; shards are rounded up to whole elements (as XLA pads uneven shards)."""
+    """Bytes per device; shards are rounded up to whole elements (as XLA pads uneven shards).
+
+    Dtypes are names or JAX/NumPy dtypes; parameters default to `config.param_dtype` and gradients
+    to the parameters' dtype.
+    """
     if optimizer not in ("adamw", "sgd"):
         raise ValueError(f"memory_plan: optimizer must be 'adamw' or 'sgd', got {optimizer!r}")
     if isinstance(mesh_shape, Mesh):
@@ -80,9 +85,10 @@ def memory_plan(
     if unknown:
         raise ValueError(f"memory_plan: unknown mesh axes {sorted(unknown)}; expected {MESH_AXES}")
     mesh_shape = {a: int(mesh_shape.get(a, 1)) for a in MESH_AXES}
-    p_size = jnp.dtype(param_dtype or config.param_dtype).itemsize
-    g_size = jnp.dtype(grad_dtype or param_dtype or config.param_dtype).itemsize
-    o_size = jnp.dtype(opt_state_dtype).itemsize
+    param_dtype = dtype_name(config.param_dtype if param_dtype is None else param_dtype, "memory_plan.param_dtype")
+    grad_dtype = dtype_name(param_dtype if grad_dtype is None else grad_dtype, "memory_plan.grad_dtype")
+    opt_state_dtype = dtype_name(opt_state_dtype, "memory_plan.opt_state_dtype")
+    p_size, g_size, o_size = (jnp.dtype(d).itemsize for d in (param_dtype, grad_dtype, opt_state_dtype))
     moments = 2 if optimizer == "adamw" else 0
     per_device_elems = 0
     total = 0

@@ -1,30 +1,18 @@
-"""Device meshes and the logical-axis rules that place parameters and activations on them."""
+"""Device meshes over the axes ("data", "fsdp", "tensor").
+
+The rules that place the model's logical axes on these mesh axes are in `rstar_jax.model.sharding`.
+"""
 
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-MESH_AXES = ("data", "fsdp", "tensor")
-
-# Logical name -> mesh axis (or axes, or None = replicated). Weights are FSDP-sharded on the
-# embedding dimension and tensor-parallel on heads / MLP / vocabulary; activations are sharded on
-# the batch over both data-parallel axes.
-DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("length", None),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-    ("layers", None),
-    ("norm", None),
-)
+from rstar_jax.model.sharding import MESH_AXES
 
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence | None = None) -> Mesh:
@@ -49,45 +37,13 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence 
     return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
-def _rules_dict(rules) -> dict:
-    out = {}
-    for entry in rules:
-        name, axes = entry
-        out[name] = tuple(axes) if isinstance(axes, (list, tuple)) else axes
-    return out
-
-
-def logical_to_spec(logical_axes: Sequence[str | None], rules, mesh: Mesh | None = None,
-                    shape: Sequence[int] | None = None) -> PartitionSpec:
-    """Maps logical names to a PartitionSpec.
-
-    A mesh axis is used at most once per array (first dimension wins), and when `shape` and `mesh`
-    are given, a dimension not divisible by its mesh axes' size stays replicated (e.g. 8 KV heads on a
-    16-way tensor axis).
-    """
-    table = _rules_dict(rules)
-    used: set[str] = set()
-    spec = []
-    for dim, name in enumerate(logical_axes):
-        if name is not None and name not in table:
-            raise ValueError(f"logical axis {name!r} has no entry in the sharding rules {sorted(table)}")
-        axes = table.get(name) if name is not None else None
-        if axes is None:
-            spec.append(None)
-            continue
-        axes = (axes,) if isinstance(axes, str) else tuple(axes)
-        axes = tuple(a for a in axes if a not in used)
-        if mesh is not None:
-            axes = tuple(a for a in axes if mesh.shape[a] > 1)
-            if shape is not None and axes:
-                size = int(np.prod([mesh.shape[a] for a in axes]))
-                if shape[dim] % size:
-                    axes = ()
-        used.update(axes)
-        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
-    return PartitionSpec(*spec)
-
-
-def logical_sharding(mesh: Mesh, logical_axes: Sequence[str | None], rules=DEFAULT_RULES,
-                     shape: Sequence[int] | None = None) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(logical_axes, rules, mesh, shape))
+def maybe_initialize_distributed() -> None:
+    """Joins a multi-process JAX job when launched as several processes (SLURM or explicit env)."""
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        jax.distributed.initialize(
+            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+            num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+            process_id=int(os.environ["JAX_PROCESS_ID"]),
+        )
+    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        jax.distributed.initialize()  # cluster auto-detection reads SLURM's environment
