@@ -9,27 +9,14 @@ in this tree, so this file is also the schema.
 import ml_collections
 from ml_collections import config_dict
 
-# Logical axis -> mesh axes; the same table as rstar_jax.parallel.DEFAULT_RULES (a test keeps
-# them equal). Weights FSDP-sharded on the embedding dim, tensor-parallel on heads/MLP/vocab.
-DEFAULT_RULES = (
-    ("batch", ("data", "fsdp")),
-    ("length", None),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-    ("layers", None),  # the stacked (scanned) layer axis
-    ("norm", None),
-)
+from rstar_jax.model.sharding import DEFAULT_RULES
 
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.run_dir = "runs/stage1"
     c.seed = 0
-    c.mode = "rl"  # "rl" | "sft" | "eval" | "demo"
+    c.mode = "rl"  # "rl" | "sft" | "eval"
     c.stage = "stage1"  # a label recorded in checkpoints and metrics
 
     c.model = ml_collections.ConfigDict()
@@ -52,6 +39,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh.data = 1
     c.mesh.fsdp = -1  # spec §5.3: the release trains with FSDP
     c.mesh.tensor = 1
+    # Logical axis -> mesh axes: weights FSDP-sharded on the embedding dim, tensor-parallel on
+    # heads / MLP / vocabulary, the batch over both data-parallel axes.
     c.mesh.rules = DEFAULT_RULES
 
     c.tokenizer = ml_collections.ConfigDict()
@@ -121,10 +110,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.clip_low = 0.2  # spec §5.3: clip 0.2 / 0.28 (clip-higher)
     c.rl.clip_high = 0.28
     c.rl.dual_clip = config_dict.placeholder(float)  # None = off; verl's clip_ratio_c is 3.0
-    c.rl.kl_coef = 0.0  # spec §5.3: no KL term
+    c.rl.kl_coef = 0.0  # spec §5.3: no KL term (validation refuses > 0: there is no reference policy)
     c.rl.entropy_coef = 0.0  # spec §5.3: no entropy term
     c.rl.logprob_chunk_size = 1024  # tokens per chunk of the vocab projection in token_logprobs
-    c.rl.micro_batch_tokens = 20480  # spec §5.3: ppo_max_token_len_per_gpu in the release
+    # Tokens per micro-batch on each data-parallel shard (spec §5.3: the release's
+    # ppo_max_token_len_per_gpu): every device along the data/fsdp axes holds this many per micro-batch.
+    c.rl.micro_batch_tokens = 20480
     c.rl.use_sampler_logprobs = False  # False: recompute old log-probs with the trainer, as verl does
 
     c.optim = ml_collections.ConfigDict()
@@ -139,7 +130,10 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.train = ml_collections.ConfigDict()
     c.train.steps = 300  # spec §5.3: stage 1 runs 300 steps
-    c.train.eval_every = 20
+    # Held-out evaluation of the policy being trained, at step 0, every eval_every steps and after the
+    # last: config.eval's k and sampling on data.eval_files, through the run's own generators (so
+    # max_prompt_length + eval.response_budget must fit rollout.engine.max_length). 0 = off.
+    c.train.eval_every = 0
     c.train.log_every = 1
     c.train.init_from = ""  # checkpoint directory of the previous stage ("" = model.hf_path / init)
 
@@ -152,7 +146,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.batch_size = 128
     c.sft.max_length = 8192  # spec §5.1: not given in the paper; our choice
     c.sft.pack = True
-    c.sft.micro_batch_tokens = 20480  # tokens per micro-batch (gradient accumulation); our choice
+    # Tokens per micro-batch (gradient accumulation) on each data-parallel shard, as
+    # rl.micro_batch_tokens: every device along the data/fsdp axes holds this many; our choice.
+    c.sft.micro_batch_tokens = 20480
     c.sft.before_rl = False  # run this SFT first, then RL from its result (tiny runs)
 
     c.sandbox = ml_collections.ConfigDict()
@@ -162,6 +158,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.sandbox.timeout_s = 4.0  # spec §6.9: the release's 4 s execution limit
     c.sandbox.memory_mb = 2048  # spec §6.9: unspecified in the paper; our choice
     c.sandbox.verify_via = "sandbox"  # "sandbox" (Verify RPC) | "local" (process pool)
+    # Seconds one reward verification may take before it scores 0 (RL and evaluation alike); our choice.
+    c.sandbox.verify_timeout_s = 10.0
 
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 10
@@ -205,10 +203,4 @@ def get_config() -> ml_collections.ConfigDict:
     c.filter_hard.checkpoint_dir = ""
     c.filter_hard.checkpoint_step = config_dict.placeholder(int)
     c.filter_hard.generator_urls = ()  # as eval.generator_urls
-
-    # The launcher's foundation demonstration (mode "demo").
-    c.demo = ml_collections.ConfigDict()
-    c.demo.batch_size = 4
-    c.demo.prompt_length = 16
-    c.demo.new_tokens = 24
     return c

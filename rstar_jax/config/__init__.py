@@ -1,0 +1,607 @@
+"""Config files and their validation (ml-collections).
+
+`configs/base.py` is the schema: a config may only hold the fields it defines, with the same types.
+Configs come from a file, then change on the command line (`--config.a.b=v`, parsed by
+`ml_collections.config_flags` in `rstar_jax.cli`) or in code:
+
+    config = load_config_file("configs/stage1.py")
+    config.update_from_flattened_dict({"rl.clip_high": 0.3})
+    config = validate(config)          # every problem at once; locked against new fields
+
+`validate` runs before any heavy work and raises one `ConfigError` listing every problem, one line
+each, naming the field (`config.rl.clip_high: must be in [0.0, inf], got -1`): unknown and missing
+fields (with did-you-mean suggestions), types, ranges, enums and cross-field rules. With
+`check_files=True` (what `launch`, `evaluate` and `filter_hard` use) it also checks the run's
+inputs: the files and directories the mode reads (training, SFT and evaluation files, the policy,
+the tokenizer) are named and exist. The mesh product against the device count is checked at run
+time by `check_mesh` (the device count is not known here).
+
+`python -m rstar_jax.config --config=FILE [--config.a.b=v ...] [--check_files]` checks and prints a
+config without starting any work: it validates every value and prints the config as JSON (exit 2
+with one `error:` line per problem otherwise). The shipped stage configs leave the run's inputs to
+the command line (`data.train_files`, `model.hf_path`, ...; stage 3 trains on a file that
+`filter_hard` writes first), so without `--check_files` missing inputs do not fail the check: they
+are listed on stderr as `note:` lines naming the fields to set. `--check_files` makes them errors,
+as a run does.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import pathlib
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import ml_collections
+
+from rstar_jax.agent.reward import SCORER_MODES
+from rstar_jax.agent.template import TEMPLATE_STYLES
+from rstar_jax.data.synthetic import GENERATORS
+from rstar_jax.errors import ConfigError, UserError  # noqa: F401  (re-exported)
+from rstar_jax.model.qwen3 import Qwen3Config
+from rstar_jax.parallel import MESH_AXES
+from rstar_jax.rl.loss import LossConfig
+from rstar_jax.rl.roc import RocConfig
+from rstar_jax.rollout.loop import LoopConfig
+from rstar_jax.train.rl_batch import BatchConfig
+from rstar_jax.train.step import OptimizerConfig
+
+T = TypeVar("T")
+
+REPO_CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+DEFAULT_CONFIG = REPO_CONFIGS / "tiny.py"
+BASE_CONFIG = REPO_CONFIGS / "base.py"
+
+# The enums of fields that no settings dataclass checks; the others (RoC variant, observation
+# style, LR schedule, ...) are checked by building the dataclass that reads them (`from_config`).
+MODES = ("rl", "sft", "eval")
+TOKENIZER_KINDS = ("byte", "hf")
+DATA_FORMATS = ("auto", "json", "jsonl", "parquet")
+BAD_ROW_POLICIES = ("error", "skip")
+ROLLOUT_BACKENDS = ("jax", "sglang")
+SCHEDULERS = ("kv", "round_robin")
+FILTER_HARD_FORMATS = ("json", "jsonl", "parquet")
+
+
+# -- loading --------------------------------------------------------------------------------------
+
+def load_config_file(path: str | pathlib.Path) -> ml_collections.ConfigDict:
+    """Executes a config file and returns its `get_config()`."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    spec = importlib.util.spec_from_file_location(f"_rstar_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path} has no get_config()")
+    config = module.get_config()
+    if not isinstance(config, ml_collections.ConfigDict):
+        raise ConfigError(f"config file {path}: get_config() returned {type(config).__name__}, not a ConfigDict")
+    return config
+
+
+def sibling_config(config_file: str | pathlib.Path, name: str) -> ml_collections.ConfigDict:
+    """`get_config()` of `<name>.py` next to `config_file`: how stage files start from base."""
+    return load_config_file(pathlib.Path(config_file).resolve().parent / f"{name}.py")
+
+
+def base_config() -> ml_collections.ConfigDict:
+    return load_config_file(BASE_CONFIG)
+
+
+# -- field names and suggestions ------------------------------------------------------------------
+
+def leaf_paths(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    """Dotted paths of every non-section field, in definition order."""
+    paths = []
+    for key, value in config.items():
+        if isinstance(value, ml_collections.ConfigDict):
+            paths.extend(leaf_paths(value, f"{prefix}{key}."))
+        else:
+            paths.append(f"{prefix}{key}")
+    return paths
+
+
+def did_you_mean(path: str, candidates: Sequence[str]) -> str:
+    """The " did you mean a or b?" hint for a mistyped dotted path ("" when nothing is close).
+
+    Close spellings (`rl.clip_hihg` -> rl.clip_high) come first, then fields of the same name in
+    other sections (`train.lr` -> optim.lr, sft.lr): a field put in the wrong section.
+    """
+    name = path.rpartition(".")[2]
+    scored = sorted(((difflib.SequenceMatcher(None, path, c).ratio(), c) for c in candidates), reverse=True)
+    best = scored[0][0] if scored else 0.0
+    # Only the spellings about as close as the closest: input_file -> input_files, not output_file.
+    close = [c for score, c in scored[:3] if score >= max(0.75, best - 0.05)]
+    same_name = [c for c in candidates if c.rpartition(".")[2] == name]
+    picks = [c for c in dict.fromkeys(close + same_name) if c != path][:3]
+    if not picks:
+        return ""
+    return " did you mean " + (picks[0] if len(picks) == 1 else ", ".join(picks[:-1]) + " or " + picks[-1]) + "?"
+
+
+def unknown_field(path: str, candidates: Sequence[str]) -> str:
+    """The problem line for a field that is not in the schema."""
+    hint = did_you_mean(path, candidates)
+    return f"config.{path}: unknown field (not in configs/base.py)" + (f";{hint}" if hint else "")
+
+
+# -- the problem collector ------------------------------------------------------------------------
+
+_FIELD = re.compile(r"^config\.([^:\s]+):")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class Checker:
+    """Collects every problem of a config instead of stopping at the first.
+
+    Each check records `config.<field>: <message>` and returns whether it passed. A check on a
+    field that already failed (or whose section did) is skipped, so rules that combine fields run
+    only on valid inputs: guard them with `ok(...)` or with the results of earlier checks.
+    """
+
+    def __init__(self, config: ml_collections.ConfigDict):
+        self.config = config
+        self.problems: list[str] = []
+        self._failed: list[str] = []
+
+    def fail(self, field: str, message: str) -> bool:
+        self.problems.append(f"config.{field}: {message}")
+        self._failed.append(field)
+        return False
+
+    def require(self, condition: bool, field: str, message: str) -> bool:
+        return True if condition else self.fail(field, message)
+
+    def ok(self, *fields: str) -> bool:
+        """No problem recorded so far on these fields, their sections or their sub-fields."""
+        def related(a: str, b: str) -> bool:
+            return a == b or a.startswith((b + ".", b + "[")) or b.startswith((a + ".", a + "["))
+        return not any(related(field, bad) for field in fields for bad in self._failed)
+
+    def build(self, make: Callable[[], T]) -> T | None:
+        """`make()`, or None after recording its ConfigError's problems: how a settings dataclass's
+        own checks (`SomeConfig.from_config(config)`, built with `errors.from_fields`) join these."""
+        try:
+            return make()
+        except TypeError:
+            return None  # a field of the wrong type, already reported by the schema check
+        except ConfigError as e:
+            for problem in e.problems:
+                self.problems.append(problem)
+                match = _FIELD.match(problem)
+                self._failed.append(match.group(1) if match else "")
+            return None
+
+    def value(self, field: str) -> Any:
+        node = self.config
+        for part in field.split("."):
+            node = node[part]
+        return node
+
+    def raise_if_any(self) -> None:
+        if self.problems:
+            raise ConfigError(list(dict.fromkeys(self.problems)))
+
+    # -- field checks -----------------------------------------------------------------------------
+
+    def positive_int(self, field: str, allow_zero: bool = False) -> bool:
+        if not self.ok(field):
+            return False
+        value = self.value(field)
+        good = _is_int(value) and (value >= 0 if allow_zero else value >= 1)
+        return self.require(good, field, f"must be a {'non-negative' if allow_zero else 'positive'} integer, "
+                                         f"got {value!r}")
+
+    def enum(self, field: str, choices: Sequence[str]) -> bool:
+        if not self.ok(field):
+            return False
+        value = self.value(field)
+        return self.require(value in choices, field, f"must be one of {tuple(choices)}, got {value!r}")
+
+    def range(self, field: str, low: float | None, high: float | None, *, low_open: bool = False,
+              high_open: bool = False) -> bool:
+        if not self.ok(field):
+            return False
+        value = self.value(field)
+        good = _is_number(value)
+        if good and low is not None:
+            good = value > low if low_open else value >= low
+        if good and high is not None:
+            good = value < high if high_open else value <= high
+        lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+        return self.require(good, field, f"must be in {lo}{low if low is not None else '-inf'}, "
+                                         f"{high if high is not None else 'inf'}{hi}, got {value!r}")
+
+    def strings(self, field: str) -> tuple[str, ...]:
+        """The field as a tuple of non-empty strings (() after a problem)."""
+        if not self.ok(field):
+            return ()
+        value = self.value(field)
+        good = isinstance(value, (tuple, list)) and all(isinstance(v, str) and v for v in value)
+        if not self.require(good, field, f"must be a tuple of non-empty strings, got {value!r}"):
+            return ()
+        return tuple(value)
+
+    def urls(self, field: str) -> tuple[str, ...]:
+        urls = self.strings(field)
+        bad = [url for url in urls if not url.startswith(("http://", "https://"))]
+        if bad:
+            self.fail(field, f"{bad[0]!r} is not an http(s) base URL")
+            return ()
+        return urls
+
+    def top_k(self, field: str) -> bool:
+        if not self.ok(field):
+            return False
+        value = self.value(field)
+        return self.require(value == -1 or (_is_int(value) and value >= 1), field,
+                            f"must be -1 (off) or a positive integer, got {value!r}")
+
+    def optional_step(self, field: str) -> bool:
+        if not self.ok(field):
+            return False
+        value = self.value(field)
+        return self.require(value is None or (_is_int(value) and value >= 0), field,
+                            f"must be None (the latest checkpoint) or a non-negative step, got {value!r}")
+
+    def non_empty(self, field: str, what: str) -> bool:
+        if not self.ok(field):
+            return False
+        value = self.value(field)
+        return self.require(isinstance(value, str) and value != "", field, f"must be {what}, got {value!r}")
+
+    def existing(self, field: str, paths: Iterable[str], hint: Callable[[str], str] = lambda path: "") -> bool:
+        good = True
+        for path in paths:
+            if not pathlib.Path(path).exists():
+                good = self.fail(field, f"{path} does not exist{hint(path)}")
+        return good
+
+
+# -- schema ---------------------------------------------------------------------------------------
+
+def _check_schema(check: Checker, config: ml_collections.ConfigDict, schema: ml_collections.ConfigDict,
+                  prefix: str = "", leaves: Sequence[str] | None = None) -> bool:
+    """Same fields as the schema (base.py) and the same leaf types (an int may stand for a float).
+
+    Records every unknown, missing or mistyped field; returns False when the config's shape differs
+    (a missing field or section), after which the value checks cannot run.
+    """
+    leaves = leaf_paths(schema) if leaves is None else leaves
+    complete = True
+    for key in config.keys():
+        field = f"{prefix}{key}"
+        if key not in schema:
+            check.problems.append(unknown_field(field, leaves))
+            continue
+        value, expected = config[key], schema[key]
+        if isinstance(expected, ml_collections.ConfigDict):
+            if not isinstance(value, ml_collections.ConfigDict):
+                complete = check.fail(field, f"must be a section (of {', '.join(expected.keys())}), got {value!r}")
+                continue
+            complete &= _check_schema(check, value, expected, f"{field}.", leaves)
+            continue
+        if isinstance(value, ml_collections.ConfigDict):
+            complete = check.fail(field, "must be a value, not a section")
+            continue
+        kind = schema.get_type(key)
+        if value is None or kind is type(None):
+            continue
+        if kind is float and _is_int(value):
+            continue
+        if kind in (tuple, list):
+            check.require(isinstance(value, (tuple, list)), field, f"must be a tuple, got {value!r}")
+            continue
+        check.require(isinstance(value, kind) and not (kind is int and isinstance(value, bool)), field,
+                      f"must be {kind.__name__}, got {type(value).__name__} {value!r}")
+    for key in schema.keys():
+        if key not in config:
+            complete = check.fail(f"{prefix}{key}", "missing (every field of configs/base.py must be present)")
+    return complete
+
+
+# -- model and mesh -------------------------------------------------------------------------------
+
+def _check_mesh_fields(check: Checker) -> None:
+    mesh = check.config.mesh
+    sizes_ok = True
+    for axis in MESH_AXES:
+        value = mesh.get(axis)
+        sizes_ok &= check.require(_is_int(value) and (value >= 1 or value == -1), f"mesh.{axis}",
+                                  f"must be a positive integer or -1, got {value!r}")
+    if sizes_ok:
+        check.require(sum(mesh[a] == -1 for a in MESH_AXES) <= 1, "mesh", "at most one axis may be -1")
+    rules = mesh.rules
+    if not check.require(isinstance(rules, (tuple, list)), "mesh.rules",
+                         "must be a tuple of (logical name, mesh axes) pairs"):
+        return
+    for i, rule in enumerate(rules):
+        if not check.require(isinstance(rule, (tuple, list)) and len(rule) == 2 and isinstance(rule[0], str),
+                             f"mesh.rules[{i}]", f"must be a (logical name, mesh axes) pair, got {rule!r}"):
+            continue
+        axes = rule[1]
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        check.require(isinstance(axes, (tuple, list)) and all(a in MESH_AXES for a in axes), f"mesh.rules[{i}]",
+                      f"mesh axes must be None or names from {MESH_AXES}, got {rule[1]!r}")
+
+
+# -- filter_hard's preconditions ------------------------------------------------------------------
+
+def _check_tokenizer_source(check: Checker) -> None:
+    config = check.config
+    if config.tokenizer.kind == "hf":
+        check.require(bool(config.tokenizer.path or config.model.hf_path), "tokenizer.path",
+                      "an hf tokenizer needs files: set tokenizer.path or model.hf_path")
+
+
+def check_filter_hard(config: ml_collections.ConfigDict, *, check_files: bool = True) -> tuple[str, ...]:
+    """What `python -m rstar_jax.filter_hard` needs beyond `validate`; returns the input files.
+
+    The inputs are filter_hard.input_files, else data.train_files (a stage-3 config's train_files
+    is the hard subset this command writes, so it names the full set in filter_hard.input_files).
+    Raises one ConfigError listing every problem.
+    """
+    check = Checker(config)
+    f = config.filter_hard
+    output = f.output_file
+    if check.non_empty("filter_hard.output_file", "the path of the file to write"):
+        suffix = pathlib.Path(output).suffix.lower().lstrip(".")
+        check.require(suffix in FILTER_HARD_FORMATS, "filter_hard.output_file",
+                      f"must end in one of {tuple('.' + s for s in FILTER_HARD_FORMATS)}, got {output!r}")
+    inputs = tuple(f.input_files) or tuple(config.data.train_files)
+    field = "filter_hard.input_files" if f.input_files else "data.train_files"
+    check.require(len(inputs) > 0, "filter_hard.input_files",
+                  "no problems to filter: list files here or in data.train_files")
+    if output:
+        resolved_output = pathlib.Path(output).resolve()
+        for path in inputs:
+            check.require(pathlib.Path(path).resolve() != resolved_output, field,
+                          f"{path} is also filter_hard.output_file; name the full problem set in "
+                          f"filter_hard.input_files")
+    check.require(not (f.checkpoint_dir and config.model.hf_path), "filter_hard.checkpoint_dir",
+                  "set either model.hf_path (an HF directory) or filter_hard.checkpoint_dir (an orbax run), not both")
+    check.require(bool(f.checkpoint_dir or config.model.hf_path or config.train.init_from or f.generator_urls),
+                  "filter_hard.checkpoint_dir", "filtering needs a policy: set filter_hard.checkpoint_dir, "
+                  "model.hf_path, train.init_from or filter_hard.generator_urls")
+    _check_tokenizer_source(check)
+    if check_files:
+        if check.ok(field):
+            check.existing(field, inputs)
+        if f.checkpoint_dir:
+            check.existing("filter_hard.checkpoint_dir", [f.checkpoint_dir])
+        elif config.train.init_from and not config.model.hf_path and not f.generator_urls:
+            check.existing("train.init_from", [config.train.init_from])
+    check.raise_if_any()
+    return inputs
+
+
+# -- validation -----------------------------------------------------------------------------------
+
+def validate(config: ml_collections.ConfigDict, *, check_files: bool = True) -> ml_collections.ConfigDict:
+    """Checks the whole config; returns it locked against new fields.
+
+    Raises one ConfigError listing every problem (`config.<field>: <message>` per line). Rules that
+    depend on a field with a problem are skipped rather than reported twice. `check_files`: also
+    check the run's inputs (named and existing; see the module docstring).
+    """
+    check = Checker(config)
+    if not _check_schema(check, config, base_config()):
+        check.raise_if_any()  # a missing field or section: the value checks below would need it
+    _check_values(check)
+    if check_files:
+        _check_inputs(check)
+    check.raise_if_any()
+    config.lock()
+    return config
+
+
+def _check_values(check: Checker) -> None:
+    config = check.config
+    check.enum("mode", MODES)
+    check.non_empty("run_dir", "a non-empty path")
+    if check.ok("seed"):
+        check.require(_is_int(config.seed), "seed", f"must be an integer, got {config.seed!r}")
+    check.non_empty("stage", "a non-empty label")
+
+    model = check.build(lambda: Qwen3Config.from_config(config)) if check.ok("model") else None
+    _check_mesh_fields(check)
+    check.enum("tokenizer.kind", TOKENIZER_KINDS)
+
+    # Data.
+    check.enum("data.format", DATA_FORMATS)
+    check.enum("data.on_bad_row", BAD_ROW_POLICIES)
+    for key in ("question_key", "answer_key"):
+        value = config.data[key]
+        check.require(isinstance(value, str) and value and all(value.split(".")), f"data.{key}",
+                      f"must be 'auto' or a dotted path like 'reward_model.ground_truth', got {value!r}")
+    check.positive_int("data.num_prompts_per_step")
+    check.positive_int("data.synthetic.num_train")
+    check.positive_int("data.synthetic.num_eval")
+    check.range("data.synthetic.difficulty", 1, 3)
+    for kind in check.strings("data.synthetic.kinds"):
+        check.require(kind in GENERATORS, "data.synthetic.kinds", f"unknown kind {kind!r}; known: {sorted(GENERATORS)}")
+    check.strings("data.train_files")
+    check.strings("data.eval_files")
+
+    # Rollout.
+    r = config.rollout
+    check.enum("rollout.backend", ROLLOUT_BACKENDS)
+    servers = check.strings("rollout.servers")
+    check.enum("rollout.scheduler", SCHEDULERS)
+    check.enum("rollout.template", TEMPLATE_STYLES)
+    # Turns, budget, sampling and the tool protocol: the rollout loop's own checks, for RL's
+    # settings and for the evaluation protocol's.
+    check.build(lambda: LoopConfig.from_config(config))
+    check.build(lambda: LoopConfig.from_config(config, "eval"))
+    for field in ("rollouts_per_prompt", "max_prompt_length", "max_concurrency", "engine.slots", "engine.max_length",
+                  "engine.page_size"):
+        check.positive_int(f"rollout.{field}")
+    if check.positive_int("rollout.engine.max_total_tokens", allow_zero=True) and check.ok("rollout.engine.max_length"):
+        pool = r.engine.max_total_tokens
+        check.require(pool == 0 or pool >= r.engine.max_length, "rollout.engine.max_total_tokens",
+                      f"must be 0 (slots x max_length) or >= rollout.engine.max_length ({r.engine.max_length}) "
+                      f"so that one sequence fits, got {pool}")
+    # Training log-probs divide the logits by the sampling temperature: RL cannot sample greedily.
+    check.range("rollout.temperature", 0.0, None, low_open=True)
+    check.non_empty("rollout.tool_name", "the tool's name")
+    local_servers_ok = check.positive_int("rollout.local_servers", allow_zero=True)
+    if r.backend == "sglang" and local_servers_ok and check.ok("rollout.servers"):
+        check.require(len(servers) > 0 or r.local_servers > 0, "rollout.servers",
+                      "the sglang backend needs at least one server URL (or rollout.local_servers > 0)")
+        check.require(not (servers and r.local_servers), "rollout.local_servers",
+                      "set either rollout.servers (running servers) or rollout.local_servers (started here), not both")
+    sequence = None
+    if check.ok("rollout.max_prompt_length", "rollout.response_budget"):
+        sequence = r.max_prompt_length + r.response_budget
+    # Our engine holds whole sequences: in-process, or behind rstar_jax.serve (local servers).
+    if (r.backend == "jax" or (local_servers_ok and r.local_servers)) and check.ok("rollout.engine.max_length"):
+        if sequence is not None:
+            check.require(r.engine.max_length >= sequence, "rollout.engine.max_length",
+                          f"must be >= rollout.max_prompt_length + rollout.response_budget = {sequence}, "
+                          f"got {r.engine.max_length}")
+        if model is not None:
+            check.require(model.max_position_embeddings >= r.engine.max_length, "rollout.engine.max_length",
+                          f"exceeds the model's max_position_embeddings {model.max_position_embeddings}")
+
+    # RL: RoC's and the loss's own checks, then what spans fields.
+    rl = config.rl
+    check.build(lambda: RocConfig.from_config(config))
+    check.build(lambda: LossConfig.from_config(config))
+    # Equal sizes are allowed: G of G is plain GRPO with tools, the paper's RoC ablation (§5.3).
+    if check.ok("rl.group_size", "rollout.rollouts_per_prompt"):
+        check.require(rl.group_size <= r.rollouts_per_prompt, "rl.group_size",
+                      f"must not exceed rollout.rollouts_per_prompt ({r.rollouts_per_prompt}): RoC keeps "
+                      f"group_size of the rollouts, got {rl.group_size}")
+    if check.range("rl.kl_coef", 0.0, None):
+        check.require(rl.kl_coef == 0, "rl.kl_coef", "must be 0: the KL term needs a reference policy, which this "
+                                                     "trainer does not keep (GRPO-RoC has no KL term, spec §5.3)")
+    check.positive_int("rl.logprob_chunk_size")
+    if check.positive_int("rl.micro_batch_tokens") and sequence is not None:
+        if check.require(rl.micro_batch_tokens >= sequence, "rl.micro_batch_tokens",
+                         f"must be >= rollout.max_prompt_length + rollout.response_budget = {sequence} (one whole "
+                         f"trajectory per micro-batch at least), got {rl.micro_batch_tokens}"):
+            check.build(lambda: BatchConfig.from_config(config))
+    check.positive_int("sft.micro_batch_tokens")
+
+    # Optimiser and schedule (AdamW's own checks), steps and evaluations.
+    if check.positive_int("train.steps"):
+        check.build(lambda: OptimizerConfig.from_config(config))
+    if check.positive_int("train.eval_every", allow_zero=True) and config.train.eval_every and config.mode == "rl":
+        # RL's held-out evaluation samples at config.eval's settings on the training engine.
+        if r.backend == "jax" and check.ok("rollout.max_prompt_length", "eval.response_budget",
+                                           "rollout.engine.max_length"):
+            need = r.max_prompt_length + config.eval.response_budget
+            check.require(need <= r.engine.max_length, "eval.response_budget",
+                          f"rollout.max_prompt_length + eval.response_budget = {need} must fit the training engine's "
+                          f"rollout.engine.max_length ({r.engine.max_length}): RL's held-out evaluation "
+                          f"(train.eval_every) samples on it")
+    check.positive_int("train.log_every")
+
+    # SFT.
+    check.positive_int("sft.epochs")
+    check.range("sft.warmup_ratio", 0.0, 1.0)
+    check.build(lambda: OptimizerConfig.for_sft(config, total_steps=1 << 30))
+    check.positive_int("sft.batch_size")
+    if check.positive_int("sft.max_length") and model is not None:
+        check.require(config.sft.max_length <= model.max_position_embeddings, "sft.max_length",
+                      f"exceeds the model's max_position_embeddings {model.max_position_embeddings}")
+    check.strings("sft.train_files")
+
+    # Sandbox, checkpoints, evaluation, filter_hard.
+    s = config.sandbox
+    targets = check.strings("sandbox.targets")
+    check.positive_int("sandbox.workers")
+    check.range("sandbox.verify_timeout_s", 0.0, None, low_open=True)
+    check.positive_int("sandbox.memory_mb")
+    check.enum("sandbox.verify_via", SCORER_MODES)
+    check.require(not (s.launch_local and targets), "sandbox.launch_local",
+                  "set it to False when sandbox.targets lists running servers")
+    if config.mode in ("rl", "eval") and check.ok("sandbox.targets"):
+        check.require(s.launch_local or len(targets) > 0, "sandbox.targets",
+                      "tool calls need a sandbox: list targets or set sandbox.launch_local=True")
+    every_ok = check.positive_int("checkpoint.every_steps")
+    check.positive_int("checkpoint.max_to_keep")
+    if check.positive_int("checkpoint.export_hf_every", allow_zero=True) and every_ok:
+        export_every, every = config.checkpoint.export_hf_every, config.checkpoint.every_steps
+        check.require(export_every % every == 0, "checkpoint.export_hf_every",
+                      f"must be 0 or a multiple of checkpoint.every_steps ({every}): exports happen at saves, "
+                      f"got {export_every}")
+    check.strings("eval.files")
+    check.positive_int("eval.k")
+    check.optional_step("eval.checkpoint_step")
+    check.urls("eval.generator_urls")
+    check.require(not (config.model.hf_path and config.eval.checkpoint_dir), "eval.checkpoint_dir",
+                  "set either model.hf_path (an HF directory) or eval.checkpoint_dir (an orbax run), not both")
+    check.positive_int("filter_hard.k")
+    check.strings("filter_hard.input_files")
+    check.optional_step("filter_hard.checkpoint_step")
+    check.urls("filter_hard.generator_urls")
+
+
+def _check_inputs(check: Checker) -> None:
+    """The run's inputs: what the mode reads is named (by the user: the stage configs leave it out)
+    and exists."""
+    config = check.config
+    mode, synthetic = config.mode, config.data.synthetic.enabled
+    sft = mode == "sft" or (mode == "rl" and config.sft.before_rl)
+    train_files = check.strings("data.train_files")
+    sft_files = check.strings("sft.train_files")
+    eval_files = check.strings("eval.files")
+    _check_tokenizer_source(check)
+    if mode == "rl":
+        check.require(synthetic or len(train_files) > 0, "data.train_files",
+                      "RL needs training problems: list files here or set data.synthetic.enabled=True")
+        if config.train.eval_every:
+            check.require(synthetic or len(check.strings("data.eval_files")) > 0, "data.eval_files",
+                          "train.eval_every evaluates on held-out problems: list files here (or set "
+                          "train.eval_every=0)")
+    if sft:
+        check.require(synthetic or len(sft_files) > 0, "sft.train_files",
+                      "SFT needs conversations: list files here or set data.synthetic.enabled=True")
+    if mode == "eval":
+        check.require(len(eval_files) > 0 or synthetic, "eval.files", "evaluation needs at least one file")
+        check.require(bool(config.model.hf_path or config.eval.checkpoint_dir or config.eval.generator_urls),
+                      "eval.checkpoint_dir",
+                      "evaluation needs a policy: set model.hf_path, eval.checkpoint_dir or eval.generator_urls")
+
+    def written_by_filter_hard(path: str) -> str:
+        output = config.filter_hard.output_file
+        if output and pathlib.Path(path).resolve() == pathlib.Path(output).resolve():
+            return " (it is filter_hard.output_file: write it first with python -m rstar_jax.filter_hard)"
+        return ""
+
+    if mode == "rl" and not synthetic:
+        check.existing("data.train_files", train_files, written_by_filter_hard)
+    check.existing("data.eval_files", check.strings("data.eval_files"))
+    if sft:
+        check.existing("sft.train_files", sft_files)
+    if mode == "eval":
+        check.existing("eval.files", eval_files)
+        if config.eval.checkpoint_dir:
+            check.existing("eval.checkpoint_dir", [config.eval.checkpoint_dir])
+    if config.model.hf_path:
+        check.existing("model.hf_path", [config.model.hf_path])
+    if config.tokenizer.kind == "hf" and config.tokenizer.path:
+        check.existing("tokenizer.path", [config.tokenizer.path])
+    if config.train.init_from and mode == "rl":
+        check.existing("train.init_from", [config.train.init_from])
+
+
+def input_problems(config: ml_collections.ConfigDict) -> list[str]:
+    """What `validate(config, check_files=True)` adds for a config whose values are valid."""
+    try:
+        validate(config, check_files=True)
+    except ConfigError as e:
+        return e.problems
+    return []
