@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from rstar_jax.rollout.protocol import SamplingParams  # noqa: E402
 from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler  # noqa: E402
 from rstar_jax.rollout.sglang import SGLangGenerator  # noqa: E402
-from rstar_jax.serve import LocalServer  # noqa: E402
+from rstar_jax.rollout.local_server import LocalServer  # noqa: E402
 
 
 @dataclasses.dataclass

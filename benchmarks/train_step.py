@@ -4,7 +4,8 @@
     python benchmarks/train_step.py --preset small --batch 2 --length 512         # CPU smoke size
 
 Ours: `rstar_jax.train.step.train_step` (policy forward -> chunked log-probs -> GRPO loss -> grads
--> AdamW), bf16 compute with fp32 parameters on GPU, `--remat` policy, cuDNN attention on NVIDIA.
+-> AdamW) with the batch placed as the RL trainer places it (`place_batch`: rows over the mesh's
+data-parallel axes) and the optimizer as `make_optimizer` builds it, bf16 compute with fp32 parameters on GPU, `--remat` policy, cuDNN attention on NVIDIA.
 Peer (same process, same shapes): Hugging Face `Qwen3ForCausalLM` in PyTorch, forward + backward of
 a full-vocabulary log-softmax token loss (what `../shared/bench/hf_qwen3_peer.py torch` measures),
 gradient checkpointing on GPU. Pass --no-peer to skip it.
@@ -25,12 +26,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from rstar_jax.model.qwen3 import Qwen3Config
 from rstar_jax.parallel import create_sharded_model, make_mesh
 from rstar_jax.rl.loss import LossConfig
-from rstar_jax.train.step import OptimizerConfig, make_optimizer, shard_batch, train_step
+from rstar_jax.train.step import OptimizerConfig, make_optimizer, place_batch, train_step
 
 H100_BF16_PEAK = 989e12
 
@@ -73,14 +73,14 @@ def run_ours(config: Qwen3Config, batch: int, length: int, steps: int, chunk: in
         "old_logprobs": np.full((1, batch, length), -11.0, np.float32),
         "sampler_logprobs": np.full((1, batch, length), -11.0, np.float32),
     }
-    data = shard_batch({k: jnp.asarray(v) for k, v in data.items()}, mesh)
-    loss = LossConfig()
+    data = place_batch(data, mesh)  # the placement RLTrainer.update trains with
+    loss, temperature = LossConfig(), jnp.float32(1.0)
     t = time.perf_counter()
-    jax.block_until_ready(train_step(model, optimizer, data, loss, chunk, 1.0))
+    jax.block_until_ready(train_step(model, optimizer, data, loss, chunk, temperature))
     compile_s = time.perf_counter() - t
     t = time.perf_counter()
     for _ in range(steps):
-        metrics = train_step(model, optimizer, data, loss, chunk, 1.0)
+        metrics = train_step(model, optimizer, data, loss, chunk, temperature)
     jax.block_until_ready(metrics)
     dt = (time.perf_counter() - t) / steps
     stats = jax.devices()[0].memory_stats() or {}

@@ -44,7 +44,6 @@ MS_BIND = 4096
 MS_REC = 16384
 MS_PRIVATE = 1 << 18
 MS_RELATIME = 1 << 21
-MS_STRICTATIME = 1 << 24
 MNT_DETACH = 2
 _MOUNT_OPTION_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXEC, "noatime": MS_NOATIME,
                        "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}

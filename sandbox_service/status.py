@@ -12,6 +12,3 @@ REJECTED = "rejected"  # not admitted (queue full) or an invalid request; never 
 SANDBOX_ERROR = "sandbox_error"  # the service failed (worker lost twice, internal error); retryable
 
 ALL = (OK, RUNTIME_ERROR, TIMEOUT, MEMORY_LIMIT, OUTPUT_LIMIT, KILLED_BY_SIGNAL, REJECTED, SANDBOX_ERROR)
-
-# Statuses describing the user's code rather than the service: never retried.
-EXECUTED = (OK, RUNTIME_ERROR, TIMEOUT, MEMORY_LIMIT, OUTPUT_LIMIT, KILLED_BY_SIGNAL)

@@ -8,14 +8,15 @@ import pytest
 
 from rstar_jax.analysis import runs
 from rstar_jax.analysis.entropy import LABEL_CODE, LABEL_FORKING, LABEL_REFLECTION, TokenEntropyRecord
-from rstar_jax.train.metrics import rl_step_stats
+from rstar_jax.rollout.stats import record_stats
 
 
 def traj(step, reward, statuses, group=0, sample=0, **extra):
     return {"step": step, "group_id": group, "sample_index": sample, "reward": reward,
             "n_tool_calls": len(statuses), "n_tool_errors": sum(s != "ok" for s in statuses),
             "tool_statuses": list(statuses), "n_answer_tags": 1, "truncated": False,
-            "finish_reason": "no_tool_call", "response_length": 10, **extra}
+            "finish_reason": "no_tool_call", "response_length": 10, "num_sampled_tokens": 8, "n_turns": 1,
+            "n_retractions": 0, **extra}
 
 
 # Step 1: two positives (ok; ok + runtime_error) and two negatives (timeout + parse_error; none).
@@ -132,10 +133,10 @@ def test_tool_use_rejects_inconsistent_records():
         runs.tool_use_by_step([missing])
 
 
-def test_cross_check_agrees_with_rl_step_stats_and_catches_differences():
+def test_cross_check_agrees_with_the_logged_statistics_and_catches_differences():
     lines = []
     for step in (1, 2):
-        stats = rl_step_stats([r for r in RECORDS if r["step"] == step])
+        stats = record_stats([r for r in RECORDS if r["step"] == step])
         lines.append({"step": step, **{f"rollout/{k}": v for k, v in stats.items()}})
     frame = runs.metric_frame(lines)
     by_step = runs.tool_use_by_step(RECORDS)

@@ -99,15 +99,18 @@ def test_reset_optimizer_max_to_keep_and_errors(mesh, tmp_path):
     with Checkpointer(tmp_path / "empty") as ckpt, pytest.raises(CheckpointError, match="no checkpoint in"):
         ckpt.restore(model=model)
 
-    from rstar_jax.config import REPO_CONFIGS, load_config
+    from rstar_jax.config import REPO_CONFIGS, load_config_file
+    from rstar_jax.train import builders
 
-    config = load_config(REPO_CONFIGS / "tiny.py", [f"run_dir={tmp_path / 'run'}", "checkpoint.export_hf_every=3"])
-    exports = []
-    with Checkpointer.from_config(config, export_hf=lambda step, path: exports.append(path)) as ckpt:
+    config = load_config_file(REPO_CONFIGS / "tiny.py")
+    config.update_from_flattened_dict({"run_dir": str(tmp_path / "run"), "checkpoint.export_hf_every": 3})
+    with builders.checkpointer(config, model) as ckpt:
         for step in range(1, 7):
             ckpt.save(step, model=model)
         assert ckpt.all_steps() == [4, 6]  # tiny: every 2 steps, keep 2
-    assert exports == [tmp_path / "run" / "hf" / "step_6"]  # saves on multiples of 2 and 3
+    # Saves on multiples of 2, HF exports on those of 3 too: step 6 only.
+    assert sorted(p.name for p in (tmp_path / "run" / "hf").iterdir()) == ["step_6"]
+    assert (tmp_path / "run" / "hf" / "step_6" / "model.safetensors").is_file()
     assert (tmp_path / "run" / "checkpoints").is_dir()
 
 

@@ -1,6 +1,7 @@
 """Datasets (jsonl/json/parquet, bad rows, resumable grain iterator) and synthetic tool-use problems."""
 
 import json
+import pathlib
 import re
 import subprocess
 import sys
@@ -9,14 +10,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rstar_jax.config import REPO_CONFIGS, load_config
+from rstar_jax.config import REPO_CONFIGS, load_config_file
 from rstar_jax.data import (
     GENERATORS,
     DataError,
     PromptIterator,
     generate_problems,
     load_examples,
-    prompt_iterator_from_config,
     read_conversations,
     read_examples,
     sft_conversation,
@@ -52,6 +52,7 @@ def _independent_answer(problem):
     raise AssertionError(problem.kind)
 
 
+@pytest.mark.slow  # the reference programs run in a subprocess
 @pytest.mark.parametrize("difficulty", [1, 3])
 def test_synthetic_answers_match_sympy_and_the_reference_code(difficulty):
     problems = generate_problems(2 * len(GENERATORS), seed=11, difficulty=difficulty)
@@ -217,25 +218,29 @@ def test_iterator_state_resumes_exactly(tmp_path):
         PromptIterator(examples[:2], batch_size=5, num_epochs=1)
 
 
-def test_prompt_iterator_from_config(tmp_path):
+def test_prompt_iterator_from_the_config(tmp_path):
+    from rstar_jax.train import builders
+
     path = write_problems(tmp_path / "p.parquet", generate_problems(10, seed=0))
-    config = load_config(REPO_CONFIGS / "tiny.py", [f"data.train_files={path}"])
-    it, report = prompt_iterator_from_config(config)
+    config = load_config_file(REPO_CONFIGS / "tiny.py")
+    it, report = builders.prompt_iterator(config, (str(path),))
     batch = next(it)
     assert len(batch) == config.data.num_prompts_per_step == 4 and report.rows_kept == 10
 
 
 def test_prepare_synthetic_data_from_the_tiny_config(tmp_path):
-    from rstar_jax.data import prepare_synthetic_data
+    from rstar_jax.train import builders
 
-    config = load_config(REPO_CONFIGS / "tiny.py", [f"run_dir={tmp_path / 'run'}", "data.synthetic.num_train=12",
-                                                   "data.synthetic.num_eval=4"])
-    files = prepare_synthetic_data(config)
-    train, _ = read_examples(files.train)
-    held_out, _ = read_examples(files.eval)
-    conversations = read_conversations(files.sft)
+    config = load_config_file(REPO_CONFIGS / "tiny.py")
+    config.update_from_flattened_dict({"run_dir": str(tmp_path / "run"), "data.synthetic.num_train": 12,
+                                       "data.synthetic.num_eval": 4})
+    (train_file,), sft_file = builders.prepare_data(config)
+    train, _ = read_examples(train_file)
+    (eval_file,) = builders.held_out_files(config)
+    held_out, _ = read_examples(eval_file)
+    conversations = read_conversations(sft_file)
     assert (len(train), len(held_out), len(conversations)) == (12, 4, 12)
     assert not {e.question for e in held_out} & {e.question for e in train}
     assert config.rollout.tool_name in conversations[0][1]["content"]
-    first = files.train.read_bytes()
-    assert prepare_synthetic_data(config).train.read_bytes() == first  # deterministic on resume
+    first = pathlib.Path(train_file).read_bytes()
+    assert pathlib.Path(builders.prepare_data(config)[0][0]).read_bytes() == first  # deterministic on resume

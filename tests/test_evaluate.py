@@ -24,18 +24,13 @@ from flax import nnx
 
 from rstar_jax.agent.template import GENERATION_PROMPT
 from rstar_jax.agent.tokenizer import ByteTokenizer
-from rstar_jax.config import REPO_CONFIGS, ConfigError, load_config, model_config, validate
-from rstar_jax.evaluate import (
-    EvalError,
-    SampleStore,
-    build_report,
-    load_questions,
-    policy_source,
-    report_ks,
-    run_evaluation,
-)
+from rstar_jax.config import REPO_CONFIGS, ConfigError, load_config_file, validate
+from rstar_jax.evaluation import EvalError, SampleStore, build_report, load_questions, report_ks
 from rstar_jax.model.hf import save_pretrained
-from rstar_jax.model.qwen3 import Qwen3
+from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
+from rstar_jax.rollout.local_server import LocalServer
+from rstar_jax.train.checkpoint import policy_source
+from rstar_jax.train.held_out import run_evaluation
 
 TINY = REPO_CONFIGS / "tiny.py"
 QUESTIONS = [("What is 3+4?", "7"), ("What is 2+3?", "5"), ("What is 4+5?", "9")]
@@ -44,13 +39,13 @@ EDGE = 20.0  # logit of a table transition; every other token has logit 0
 
 
 def answering_model(config, *, answers=("7",), filler_logit: float | None = None) -> Qwen3:
-    """A `model_config(config)` Qwen3 that answers `\\boxed{a}` with `a` uniform over `answers`.
+    """A `Qwen3Config.from_config(config)` Qwen3 that answers `\\boxed{a}` with `a` uniform over `answers`.
 
     With filler_logit, the answer is preceded by spaces: after `{` or a space, another space has
     logit EDGE + filler_logit against EDGE for each answer (longer responses, a geometric length).
     """
     tok = ByteTokenizer()
-    cfg = model_config(config)
+    cfg = Qwen3Config.from_config(config)
     model = Qwen3(cfg, rngs=nnx.Rngs(0))
     byte = lambda ch: tok.encode(ch)[0]  # noqa: E731
     chain = [tok.encode(GENERATION_PROMPT)[-1]] + tok.encode("\\boxed{")
@@ -92,8 +87,21 @@ def eval_overrides(run_dir, questions_file, target, *extra) -> list[str]:
             "sandbox.verify_via=sandbox", *extra]
 
 
+def config_from_flags(path, overrides):
+    """The config a command builds from `--config=path --config.<override> ...`: config_flags parses
+    the same strings as the command-line runs of these tests."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    argv = ["test", f"--config={path}", *(f"--config.{o}" for o in overrides)]
+    values = flags.FlagValues()
+    holder = config_flags.DEFINE_config_file("config", str(path), flag_values=values, sys_argv=argv)
+    values(argv)
+    return holder.value
+
+
 def eval_config(*overrides):
-    return validate(load_config(TINY, list(overrides)))
+    return validate(config_from_flags(TINY, overrides))
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +116,7 @@ def sandbox_target():
 def inputs(tmp_path_factory):
     """HF policy directories and the question file shared by this module's runs."""
     root = tmp_path_factory.mktemp("eval_inputs")
-    config = load_config(TINY)
+    config = load_config_file(TINY)
     # Answers 7 or 5 after ~100 spaces on average (p(space) = 0.99 at temperature 0.6): some
     # questions are solved by some samples, and each group takes long enough to kill between groups.
     save_pretrained(answering_model(config, answers=("7", "5"), filler_logit=0.6 * math.log(198.0)),
@@ -151,6 +159,7 @@ def _records(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_report_matches_a_hand_computation_from_the_records(straight):
     run_dir, result = straight
     records = _records(run_dir)
@@ -191,7 +200,8 @@ def test_tool_statistics_and_per_file_sections_of_the_report(tmp_path):
 
     def rec(reward, calls, errors, length):
         return {"reward": reward, "n_tool_calls": calls, "n_tool_errors": errors, "response_length": length,
-                "num_sampled_tokens": length - 1, "truncated": False, "n_turns": 1 + calls}
+                "num_sampled_tokens": length - 1, "truncated": False, "n_turns": 1 + calls, "group_id": 0,
+                "n_answer_tags": 1, "n_retractions": 0}
 
     groups = {questions[0].key: [rec(1.0, 2, 1, 10), rec(0.0, 0, 0, 20)],
               questions[1].key: [rec(0.0, 1, 1, 30), rec(0.0, 1, 0, 40)],
@@ -207,6 +217,7 @@ def test_tool_statistics_and_per_file_sections_of_the_report(tmp_path):
         build_report({k: v for k, v in groups.items() if k != questions[1].key}, questions, 2)
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_and_reports_like_the_uninterrupted_run(straight, inputs, sandbox_target, tmp_path):
     run_dir = tmp_path / "resumed"
     overrides = eval_overrides(run_dir, inputs["questions"], sandbox_target, f"model.hf_path={inputs['hf_slow']}",
@@ -243,6 +254,7 @@ def test_killed_run_resumes_and_reports_like_the_uninterrupted_run(straight, inp
         sorted(map(json.dumps, map(strip, _records(straight_dir))))
 
 
+@pytest.mark.slow
 def test_launcher_eval_mode_reports_a_finished_run_without_sampling(straight, inputs, sandbox_target, tmp_path):
     """`python -m rstar_jax.launch` with mode=eval takes the same code path: a complete run
     directory is reported again from its records, and other settings are refused."""
@@ -261,10 +273,11 @@ def test_launcher_eval_mode_reports_a_finished_run_without_sampling(straight, in
     assert "temperature: 0.6 -> 1.0" in refused.stderr and "config.run_dir" in refused.stderr
 
 
+@pytest.mark.slow
 def test_evaluates_an_orbax_run_directory_with_the_checkpoints_model_shape(inputs, sandbox_target, tmp_path):
     from rstar_jax.train.checkpoint import Checkpointer
 
-    train_config = load_config(TINY)
+    train_config = load_config_file(TINY)
     with Checkpointer(tmp_path / "train_run" / "checkpoints", async_save=False) as ckpt:
         ckpt.save(5, model=answering_model(train_config, answers=("7",)), config=train_config)
     # The eval config describes a one-layer model; the checkpoint's stored config (two) decides.
@@ -280,19 +293,17 @@ def test_evaluates_an_orbax_run_directory_with_the_checkpoints_model_shape(input
                                   "step": 5}
     assert {r["model_text"] for r in _records(tmp_path / "eval")} == {"\\boxed{7}<|im_end|>"}
 
-    config = eval_config(*overrides)
-    with pytest.raises(EvalError, match=r"eval\.checkpoint_step: no step 7 .*available: \[5\]"):
-        policy_source(config, checkpoint_dir=str(tmp_path / "train_run"), checkpoint_step=7)
+    with pytest.raises(ConfigError, match=r"eval\.checkpoint_step: no step 7 .*available: \[5\]"):
+        policy_source(checkpoint_dir=str(tmp_path / "train_run"), checkpoint_step=7)
     (tmp_path / "empty").mkdir()
-    with pytest.raises(EvalError, match=r"config\.eval\.checkpoint_dir: no orbax checkpoint steps"):
-        policy_source(config, checkpoint_dir=str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match=r"config\.eval\.checkpoint_dir: no committed orbax checkpoint"):
+        policy_source(checkpoint_dir=str(tmp_path / "empty"))
 
 
+@pytest.mark.slow
 def test_evaluates_on_sglang_compatible_servers_with_the_same_samples(straight, inputs, sandbox_target, tmp_path):
     """eval.generator_urls: the policy served by `rstar_jax.serve` (SGLang's HTTP API), placed by the
     KV scheduler. Seeded per trajectory, the servers draw exactly the in-process engine's samples."""
-    from rstar_jax.serve import LocalServer
-
     with LocalServer(str(inputs["hf_slow"]), slots=32, max_length=832, seed=0, env={"XLA_FLAGS": ""}) as server:
         config = eval_config(*eval_overrides(tmp_path / "served", inputs["questions"], sandbox_target,
                                              f"eval.generator_urls=('{server.url}',)"))
@@ -334,6 +345,7 @@ def test_sample_store_drops_torn_and_partial_groups_and_refuses_other_settings(t
         SampleStore(tmp_path, settings).open()
 
 
+@pytest.mark.slow
 def test_bad_eval_configs_name_the_field(inputs, tmp_path):
     base = eval_overrides(tmp_path / "run", inputs["questions"], "127.0.0.1:1", f"model.hf_path={inputs['hf_slow']}")
     cases = {

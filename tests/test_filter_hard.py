@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from rstar_jax.config import REPO_CONFIGS, ConfigError, check_filter_hard, load_config, validate
-from rstar_jax.evaluate import EvalError
-from rstar_jax.filter_hard import run_filter_hard, split_by_solved, write_rows
+from rstar_jax.config import REPO_CONFIGS, ConfigError, check_filter_hard, load_config_file, validate
+from rstar_jax.evaluation import EvalError, split_by_solved, write_rows
+from rstar_jax.train.held_out import run_filter_hard
 from rstar_jax.model.hf import save_pretrained
-from tests.test_evaluate import TINY, _env, answering_model
+from tests.test_evaluate import TINY, _env, answering_model, config_from_flags
 
 
 def test_split_by_solved_drops_only_problems_solved_k_of_k():
@@ -31,10 +31,11 @@ ROWS = [
 ]
 
 
+@pytest.mark.slow
 def test_filter_hard_command_writes_the_unsolved_rows_verbatim(tmp_path):
     """A real run: the policy always answers 7 (engine, loop, a local sandbox server it starts
     itself, Verify), so the two gold-7 problems are solved 2 of 2 and dropped."""
-    config = load_config(TINY)
+    config = load_config_file(TINY)
     save_pretrained(answering_model(config, answers=("7",)), tmp_path / "hf")
     source = tmp_path / "problems.jsonl"
     source.write_text(ROWS[0] + "\n" + ROWS[1] + "\n\n" + ROWS[2] + "\n" + ROWS[3] + "\n", encoding="utf-8")
@@ -60,7 +61,7 @@ def test_filter_hard_command_writes_the_unsolved_rows_verbatim(tmp_path):
     assert {r["key"]: r["reward"] for r in records} == {f"{source}#0": 1.0, f"{source}#1": 0.0,
                                                         f"{source}#2": 1.0, f"{source}#3": 0.0}
     # The stage-3 config reads the result as its training set.
-    train = load_config(TINY, overrides)
+    train = config_from_flags(TINY, overrides)
     from rstar_jax.data.datasets import load_examples
 
     examples, _ = load_examples(train.data.train_files)
@@ -90,26 +91,34 @@ def test_bad_filter_hard_configs_name_the_field(tmp_path):
     source = tmp_path / "all.jsonl"
     source.write_text(ROWS[0] + "\n")
     stage3 = REPO_CONFIGS / "stage3.py"
-    ok = [f"run_dir={tmp_path / 'run'}", f"model.hf_path={tmp_path / 'hf'}", f"filter_hard.input_files=('{source}',)",
-          f"filter_hard.output_file={tmp_path / 'hard.jsonl'}", f"data.train_files=('{tmp_path / 'hard.jsonl'}',)",
-          "tokenizer.kind=byte"]
-    assert check_filter_hard(validate(load_config(stage3, ok), check_files=False)) == (str(source),)
+    ok = {"run_dir": str(tmp_path / "run"), "model.hf_path": str(tmp_path / "hf"),
+          "filter_hard.input_files": (str(source),), "filter_hard.output_file": str(tmp_path / "hard.jsonl"),
+          "data.train_files": (str(tmp_path / "hard.jsonl"),), "tokenizer.kind": "byte"}
+
+    def stage3_config(overrides):
+        config = load_config_file(stage3)
+        config.update_from_flattened_dict(overrides)
+        return config
+
+    assert check_filter_hard(validate(stage3_config(ok), check_files=False)) == (str(source),)
     cases = {
         # Stage 3 without input_files would filter its own output.
-        r"config\.data\.train_files: .* is also filter_hard\.output_file": ["filter_hard.input_files=()"],
-        r"config\.filter_hard\.output_file: must end in one of": [f"filter_hard.output_file={tmp_path / 'hard.txt'}"],
+        r"config\.data\.train_files: .* is also filter_hard\.output_file": {"filter_hard.input_files": ()},
+        r"config\.filter_hard\.output_file: must end in one of":
+            {"filter_hard.output_file": str(tmp_path / "hard.txt")},
         r"config\.filter_hard\.input_files: .*missing\.jsonl does not exist":
-            [f"filter_hard.input_files=('{tmp_path / 'missing.jsonl'}',)"],
-        r"config\.filter_hard\.checkpoint_dir: set either model\.hf_path": [f"filter_hard.checkpoint_dir={tmp_path}"],
-        r"config\.filter_hard\.checkpoint_dir: filtering needs a policy": ["model.hf_path=", "train.init_from="],
-        r"config\.train\.init_from: .*does not exist": ["model.hf_path="],  # stage 3 defaults to stage 2's run
+            {"filter_hard.input_files": (str(tmp_path / "missing.jsonl"),)},
+        r"config\.filter_hard\.checkpoint_dir: set either model\.hf_path":
+            {"filter_hard.checkpoint_dir": str(tmp_path)},
+        r"config\.filter_hard\.checkpoint_dir: filtering needs a policy": {"model.hf_path": "", "train.init_from": ""},
+        r"config\.train\.init_from: .*does not exist": {"model.hf_path": ""},  # stage 3 defaults to stage 2's run
     }
     for message, extra in cases.items():
         with pytest.raises(ConfigError, match=message):
-            check_filter_hard(validate(load_config(stage3, [*ok, *extra]), check_files=False))
+            check_filter_hard(validate(stage3_config({**ok, **extra}), check_files=False))
     with pytest.raises(ConfigError, match=r"config\.filter_hard\.k: must be a positive integer"):
-        validate(load_config(stage3, [*ok, "filter_hard.k=0"]), check_files=False)
+        validate(stage3_config({**ok, "filter_hard.k": 0}), check_files=False)
     # The hard set keeps the input's format.
     with pytest.raises(EvalError, match=r"filter_hard\.output_file: .*hard\.json is json but input .* is jsonl"):
-        run_filter_hard(validate(load_config(stage3, [*ok, f"filter_hard.output_file={tmp_path / 'hard.json'}"]),
+        run_filter_hard(validate(stage3_config({**ok, "filter_hard.output_file": str(tmp_path / "hard.json")}),
                                  check_files=False))

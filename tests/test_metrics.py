@@ -1,11 +1,12 @@
-"""MetricsWriter files, progress bar text, RL step statistics by hand, FLOP formula by hand."""
+"""MetricsWriter files, progress bar text, rollout statistics by hand, FLOP formula by hand."""
 
 import io
-import json
 import math
 
 import pytest
 
+from rstar_jax.rollout.records import trajectory_record
+from rstar_jax.rollout.stats import record_stats, rollout_stats
 from rstar_jax.rollout.trajectory import Trajectory
 from rstar_jax.train.metrics import (
     MetricsWriter,
@@ -14,7 +15,6 @@ from rstar_jax.train.metrics import (
     format_duration,
     qwen3_matmul_params,
     read_metrics,
-    rl_step_stats,
     throughput,
 )
 
@@ -63,10 +63,13 @@ def test_writer_jsonl_tensorboard_and_close(tmp_path):
     assert scalars["lr"] == [(1, pytest.approx(1e-6))]
     assert "stage" not in scalars and "hist" not in scalars
 
-    from rstar_jax.config import REPO_CONFIGS, load_config
+    from rstar_jax.config import REPO_CONFIGS, load_config_file
 
-    config = load_config(REPO_CONFIGS / "tiny.py", [f"run_dir={tmp_path / 'only_jsonl'}", "metrics.tensorboard=false"])
-    with MetricsWriter.from_config(config) as writer:
+    config = load_config_file(REPO_CONFIGS / "tiny.py")
+    config.update_from_flattened_dict({"run_dir": str(tmp_path / "only_jsonl"), "metrics.tensorboard": False})
+    from rstar_jax.train import builders
+
+    with builders.metrics_writer(config) as writer:
         writer.write(0, {"a": 1})
     assert not (tmp_path / "only_jsonl" / "tb").exists()
     assert read_metrics(tmp_path / "only_jsonl")[0]["a"] == 1
@@ -98,7 +101,7 @@ def _traj(group, reward, calls, errors, answers, length, finish="no_tool_call"):
     return t
 
 
-def test_rl_step_stats_by_hand():
+def test_rollout_stats_by_hand():
     trajectories = [
         # group 0: mixed (kept)
         _traj(0, 1.0, calls=2, errors=0, answers=1, length=10),
@@ -107,13 +110,12 @@ def test_rl_step_stats_by_hand():
         _traj(1, 1.0, calls=1, errors=1, answers=1, length=20),
         _traj(1, 1.0, calls=0, errors=0, answers=2, length=12),
     ]
-    # Plain dicts work the same way: group 2, all wrong.
-    trajectories += [{"group_id": 2, "reward": 0.0, "n_tool_calls": 2, "n_tool_errors": 1, "n_answer_tags": 1,
-                      "response_length": 8, "finish_reason": "no_tool_call"}]
-    s = rl_step_stats(trajectories)
+    trajectories.append(_traj(2, 0.0, calls=2, errors=1, answers=1, length=8))  # group 2: all wrong
+    s = rollout_stats(trajectories)
+    # The stored records of the same trajectories give the same figures.
+    assert record_stats([trajectory_record(t, str) for t in trajectories]) == s
     assert s["reward_mean"] == pytest.approx(3 / 5) and s["pass_rate"] == pytest.approx(3 / 5)
-    groups = ("num_groups", "groups_kept", "groups_dropped_all_correct", "groups_dropped_all_wrong")
-    assert tuple(s[k] for k in groups) == (3, 1, 1, 1)
+    assert (s["num_trajectories"], s["num_groups"]) == (5, 3)
     assert s["group_solve_rate"] == pytest.approx(2 / 3)
     assert s["tool_calls_mean"] == pytest.approx(9 / 5)
     assert s["tool_calls_mean_positive"] == pytest.approx(3 / 3)
@@ -124,8 +126,9 @@ def test_rl_step_stats_by_hand():
     assert s["format_violation_rate"] == pytest.approx(2 / 5)  # answers 0 and 2
     assert s["response_length_mean"] == pytest.approx(80 / 5) and s["response_length_max"] == 30
     assert s["truncation_ratio"] == pytest.approx(1 / 5)
+    assert s["sampled_tokens"] == 80 and s["retractions"] == 0
     with pytest.raises(ValueError, match="no trajectories"):
-        rl_step_stats([])
+        rollout_stats([])
 
 
 def test_flops_formula_by_hand_and_against_the_model():

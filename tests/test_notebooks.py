@@ -12,7 +12,10 @@ import pytest
 
 from rstar_jax.analysis import runs
 from rstar_jax.rollout.records import read_records, write_records
-from rstar_jax.train.metrics import read_metrics, rl_step_stats
+from rstar_jax.rollout.stats import record_stats
+from rstar_jax.train.metrics import read_metrics
+
+pytestmark = pytest.mark.slow  # notebooks executed on the default run
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = REPO / "notebooks"
@@ -131,7 +134,7 @@ def failed_tools_run(tiny_run_dir, tmp_path):
     lines = []
     for line in read_metrics(tiny_run_dir):
         if "rollout/reward_mean" in line:
-            line.update({f"rollout/{k}": v for k, v in rl_step_stats(by_step[line["step"]]).items()})
+            line.update({f"rollout/{k}": v for k, v in record_stats(by_step[line["step"]]).items()})
         lines.append(line)
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     return run_dir

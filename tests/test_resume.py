@@ -21,6 +21,8 @@ from safetensors.numpy import load_file
 from rstar_jax.rollout.records import iter_rollouts
 from rstar_jax.train.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # killed and resumed launcher subprocesses
+
 
 def _env():
     env = dict(os.environ)

@@ -5,14 +5,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rstar_jax.rl import (
-    RocConfig,
-    group_advantages,
-    paper_penalty,
-    release_counts_from_text,
-    release_penalty_from_text,
-    resample_on_correct,
-)
+from rstar_jax.agent.stats import release_counts
+from rstar_jax.rl import RocConfig, group_advantages, paper_penalty, release_penalty, resample_on_correct
+
+
+def release_penalty_from_text(texts):
+    counts = [release_counts(t) for t in texts]
+    return release_penalty(**{k: [c[k] for c in counts] for k in counts[0]})
 
 
 @st.composite
@@ -98,7 +97,7 @@ def test_release_text_penalties_follow_the_spec():
     printed = two.replace("\n3\n</tool_response>", "\nno error here\n</tool_response>")
     assert release_penalty_from_text([printed])[0] == pytest.approx(1.0)
     timeout = two.replace("\n3\n</tool_response>", "\nTool call failure\nreason: worker_timeout\n</tool_response>")
-    assert release_counts_from_text(timeout)["n_error_responses"] == 0
+    assert release_counts(timeout)["n_error_responses"] == 0
 
 
 def test_paper_penalty_and_selection_weights():

@@ -17,7 +17,7 @@ from rstar_jax.agent.tool_calls import format_observation
 from rstar_jax.rollout.loop import LoopConfig, run_trajectory
 from rstar_jax.rollout.orchestrator import Orchestrator, trajectory_runner
 from rstar_jax.rollout.protocol import Capacity, GenerateResult
-from rstar_jax.agent.stats import trajectory_stats
+from rstar_jax.agent.stats import release_counts
 from rstar_jax.rollout.trajectory import STOP_ABORTED, STOP_BUDGET, STOP_MAX_TURNS, STOP_NO_TOOL_CALL
 
 TOK = ByteTokenizer()
@@ -195,7 +195,7 @@ def test_orchestrator_64_concurrent_trajectories_and_cancellation():
     assert (n, leftover, peak, in_flight) == (4, [], 4, 0)
 
 
-def test_trajectory_stats_paper_beside_release_counting():
+def test_paper_counting_beside_release_counting():
     # A runtime error whose stderr says "Error" and a success that prints the word "error": the paper's
     # counting goes by status (1 error), the release's by substring (2 "errors").
     turns = [call("1/0") + IM_END, call("print('error')") + IM_END,
@@ -208,11 +208,11 @@ def test_trajectory_stats_paper_beside_release_counting():
 
     cfg = LoopConfig(max_turns=5, response_budget=4096)
     traj = asyncio.run(run_trajectory(gen, TOK, Ex(), "Q", "42", config=cfg, scorer=exact_scorer))
-    stats = trajectory_stats(traj, TOK)
-    assert (stats["n_turns"], stats["n_tool_calls"], stats["n_tool_errors"], stats["n_answer_tags"]) == (3, 2, 1, 1)
-    assert stats["finish_reason"] == STOP_NO_TOOL_CALL and stats["sampled_tokens"] == gen.emitted
-    assert stats["release"]["n_tool_responses"] == 2 and stats["release"]["n_error_responses"] == 2
-    assert stats["release"]["n_later_turns"] == 2  # the release's regex misses the first turn
+    assert (traj.n_turns, traj.n_tool_calls, traj.n_tool_errors, traj.n_answer_tags) == (3, 2, 1, 1)
+    assert traj.finish_reason == STOP_NO_TOOL_CALL and traj.num_sampled_tokens == gen.emitted
+    release = release_counts(TOK.decode(traj.response_ids, skip_special_tokens=False))
+    assert release["n_tool_responses"] == 2 and release["n_error_responses"] == 2
+    assert release["n_later_turns"] == 2  # the release's regex misses the first turn
 
 
 class RecordingScheduler:
@@ -266,7 +266,7 @@ def test_cancelling_a_trajectory_aborts_its_generation():
 
 
 @pytest.mark.parametrize("field, value", [("max_turns", 0), ("response_budget", 0), ("observation_style", "x"),
-                                          ("reward_mode", "remote"), ("max_calls_per_turn", 0)])
+                                          ("temperature", -1.0), ("max_calls_per_turn", 0)])
 def test_loop_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=f"LoopConfig.{field}"):
         LoopConfig(**{field: value})

@@ -19,6 +19,8 @@ from rstar_jax.rollout.orchestrator import Orchestrator  # noqa: E402
 from rstar_jax.rollout.trajectory import STOP_NO_TOOL_CALL  # noqa: E402
 from tests.test_rollout_loop import ScriptedGenerator, exact_scorer  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a sandbox server subprocess
+
 TOK = ByteTokenizer()
 
 

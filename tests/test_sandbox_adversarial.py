@@ -19,6 +19,8 @@ from sandbox_service import status
 from sandbox_service.client import SandboxClient
 from sandbox_service.launcher import LocalSandbox
 
+pytestmark = pytest.mark.slow  # a sandbox server subprocess
+
 UID_BASE = 1_700_000  # per-slot uids of this file's server: a stray call process is easy to spot
 TIMEOUT_S = 2.0
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
 import asyncio
 
 from sandbox_service import status
 from sandbox_service.client import SandboxClient
 from sandbox_service.launcher import LocalSandbox
+
+pytestmark = pytest.mark.slow  # a sandbox server subprocess under load
 
 N_CALLS = 5000
 CONCURRENCY = 256

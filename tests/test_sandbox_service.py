@@ -17,6 +17,8 @@ from sandbox_service.client import ExecRequest, SandboxClient
 from sandbox_service.launcher import LocalSandbox, free_port
 from tests.test_sandbox_adversarial import processes_in_group, processes_with_uid_in
 
+pytestmark = pytest.mark.slow  # sandbox server subprocesses
+
 UID_BASE = 1_710_000
 
 

@@ -12,6 +12,8 @@ from sandbox_service.client import SandboxClient
 from sandbox_service.launcher import LocalSandbox
 from sandbox_service.verify import extract_answer, is_equivalent, last_boxed, normalize
 
+pytestmark = pytest.mark.slow  # a sandbox server subprocess
+
 
 @pytest.mark.parametrize("text, expected", [
     ("<reason>x</reason><answer>so \\boxed{12}</answer>", "12"),

@@ -12,9 +12,12 @@ from flax import nnx
 
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.rollout.protocol import SamplingParams
-from rstar_jax.rollout.sglang import SGLangError, SGLangGenerator, sync_weights_via_disk
-from rstar_jax.serve import LocalServer
+from rstar_jax.rollout.local_server import LocalServer
+from rstar_jax.rollout.sglang import SGLangError, SGLangGenerator
+from rstar_jax.train.weight_sync import sync_weights_via_disk
 from tests.test_engine import _reference
+
+pytestmark = pytest.mark.slow  # a `rstar_jax.serve` subprocess
 
 CONFIG = Qwen3Config.tiny()
 SLOTS, MAX_LENGTH, POOL, PAGE = 2, 512, 768, 16  # a pool below slots x context: overcommitted

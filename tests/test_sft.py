@@ -1,16 +1,14 @@
 """SFT: masks cover exactly the assistant text; training lowers held-out assistant-token loss."""
 
-import jax
-import numpy as np
 import pytest
 from flax import nnx
 
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import IM_END, ByteTokenizer
 from rstar_jax.data.synthetic import generate_problems, sft_conversation
-from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
-from rstar_jax.train.sft import SftBatches, as_device_batch, conversation_ids, eval_nll, sft_sequences, sft_step
-from rstar_jax.train.step import OptimizerConfig, make_optimizer
+from rstar_jax.model.qwen3 import Qwen3
+from rstar_jax.train.sft import SftBatches, conversation_ids, eval_nll, sft_sequences
+from rstar_jax.train.step import place_batch
 
 TOK = ByteTokenizer()
 # The compact prompt keeps CPU test sequences small; the release's template is tested elsewhere.
@@ -31,30 +29,39 @@ def test_overlong_conversation_is_an_error():
         sft_sequences(TEMPLATE, TOK, [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]], 10)
 
 
+@pytest.mark.slow
 def test_the_tiny_runs_warm_up_teaches_well_formed_tool_calls(tiny_run_dir):
     """After the default run's SFT warm-up, greedy first turns on held-out problems are well-formed
     tool calls (JSON with the tool's name and code) on most problems; the random initial policy
     makes none."""
-    import jax.numpy as jnp
+    import asyncio
 
     from rstar_jax.agent.tool_calls import ToolCall, parse_tool_calls
     from rstar_jax.data.datasets import read_examples
-    from rstar_jax.model.generate import greedy_generate
     from rstar_jax.model.hf import load_pretrained
+    from rstar_jax.rollout.engine import JaxEngine
+    from rstar_jax.rollout.protocol import SamplingParams
 
     template = ChatTemplate.compact()
     held_out, _ = read_examples(tiny_run_dir / "data" / "eval.jsonl")
     prompts = [template.prompt_ids(TOK, ex.question) for ex in held_out]
     width = max(map(len, prompts))
-    ids = np.zeros((len(prompts), width), np.int32)
-    for row, p in enumerate(prompts):
-        ids[row, :len(p)] = p
-    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    greedy = SamplingParams(max_new_tokens=224, temperature=0.0, stop_token_ids=(TOK.eos_id,))
 
     def well_formed_rate(model) -> float:
-        tokens, _ = greedy_generate(model, jnp.asarray(ids), lengths, 224)
+        # One prefill bucket and room for every prompt plus its budget keep compilations few.
+        engine = JaxEngine(model, slots=len(prompts), max_length=width + greedy.max_new_tokens,
+                           prefill_buckets=(width,))
+
+        async def generate_all():
+            return await asyncio.gather(*[engine.generate(p, greedy) for p in prompts])
+
+        try:
+            results = asyncio.run(generate_all())
+        finally:
+            engine.close()
         good = 0
-        for row in np.asarray(tokens).tolist():
+        for row in (r.token_ids for r in results):
             text = TOK.decode(row[:row.index(TOK.eos_id)] if TOK.eos_id in row else row)
             calls = parse_tool_calls(text, tool_names=(template.tool_name,))
             good += bool(calls) and isinstance(calls[0], ToolCall) and "print(" in calls[0].code
@@ -84,7 +91,7 @@ def test_the_tiny_runs_warm_up_teaches_well_formed_tool_calls(tiny_run_dir):
                                                                                     max_chars=64))
               for p in problems]
     sequences = sft_sequences(template, TOK, solved, max_length=1024)
-    batch = as_device_batch(next(iter(SftBatches(sequences, conversations_per_step=16, rows=16,
+    batch = place_batch(next(iter(SftBatches(sequences, conversations_per_step=16, rows=16,
                                                  row_length=1024).epoch(0))))
     before, after = float(eval_nll(initial, batch, 256)), float(eval_nll(warm, batch, 256))
     print(f"held-out assistant NLL {before:.3f} -> {after:.3f}")

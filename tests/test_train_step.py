@@ -10,7 +10,7 @@ from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.parallel import create_sharded_model, make_mesh
 from rstar_jax.rl.loss import LossConfig
 from rstar_jax.train.batching import TrainingSequence, make_micro_batches
-from rstar_jax.train.step import OptimizerConfig, compute_logprobs, loss_and_grads, make_optimizer, shard_batch, train_step
+from rstar_jax.train.step import OptimizerConfig, compute_logprobs, loss_and_grads, make_optimizer, place_batch, train_step
 
 CONFIG = Qwen3Config.tiny()
 LOSS = LossConfig(dual_clip=3.0)
@@ -75,18 +75,22 @@ def test_one_batch_micro_batches_and_packing_agree(model):
 def test_empty_padding_micro_batches_change_nothing(model):
     seqs = _sequences(4, seed=1)
     base = make_micro_batches(seqs, rows=2, row_length=24, packed=True)
-    padded = make_micro_batches(seqs, rows=2, row_length=24, packed=True, round_micro_batches_to=4)
-    assert padded["input_ids"].shape[0] == 4
-    loss_a, grads_a, _ = _grads(model, base)
-    loss_b, grads_b, _ = _grads(model, padded)
+    padded = make_micro_batches(seqs, rows=2, row_length=24, packed=True, num_micro_batches=4)
+    assert padded["input_ids"].shape[0] == 4 and base["input_ids"].shape[0] < 4
+    loss_a, grads_a, m_a = _grads(model, base)
+    loss_b, grads_b, m_b = _grads(model, padded)
     np.testing.assert_allclose(loss_a, loss_b, rtol=1e-6)
+    for key in m_a:  # sums, maxima and minima alike: skipped micro-batches are the identity
+        np.testing.assert_allclose(float(m_b[key]), float(m_a[key]), rtol=1e-6, err_msg=key)
+    for (path, a), (_, b) in zip(nnx.to_flat_state(grads_a), nnx.to_flat_state(grads_b)):
+        np.testing.assert_allclose(b[...], a[...], atol=1e-7, err_msg=str(path))
+    with pytest.raises(ValueError, match="more than num_micro_batches"):
+        make_micro_batches(seqs, rows=1, row_length=24, packed=False, num_micro_batches=2)
 
 
 def _run_step(model, batch, mesh=None):
     opt = make_optimizer(model, OptimizerConfig(lr=1e-3, warmup_steps=0))
-    batch = {k: jnp.asarray(v) for k, v in batch.items()}
-    if mesh is not None:
-        batch = shard_batch(batch, mesh)
+    batch = place_batch(batch, mesh)
     with jax.default_matmul_precision("highest"):
         metrics = train_step(model, opt, batch, LOSS, 8, 1.0)
     return model, metrics

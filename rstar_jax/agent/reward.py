@@ -148,13 +148,17 @@ class SandboxScorer:
         """The client belongs to the caller; nothing to release here."""
 
 
+SCORER_MODES = ("local", "sandbox")  # config.sandbox.verify_via
+
+
 def make_scorer(mode: str, *, timeout_s: float = 10.0, workers: int = 2, sandbox_client=None):
-    """The rollout loop's scorer for `LoopConfig.reward_mode`: "local" (a `VerifierPool`, close it
-    when done) or "sandbox" (`SandboxScorer` over `sandbox_client`). Both have `.close()`."""
+    """The rollout loop's scorer: "local" (a `VerifierPool`, close it when done) or "sandbox"
+    (`SandboxScorer` over `sandbox_client`). Both have `.close()`. `timeout_s`: a verification
+    running longer scores 0."""
     if mode == "local":
         return VerifierPool(workers=workers, timeout_s=timeout_s)
     if mode == "sandbox":
         if sandbox_client is None:
-            raise ValueError("make_scorer: reward_mode 'sandbox' needs a sandbox_client with a verify method")
+            raise ValueError("make_scorer: mode 'sandbox' needs a sandbox_client with a verify method")
         return SandboxScorer(sandbox_client, timeout_s=timeout_s)
-    raise ValueError(f"make_scorer: mode must be 'local' or 'sandbox', got {mode!r}")
+    raise ValueError(f"make_scorer: mode must be one of {SCORER_MODES}, got {mode!r}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import html
-import json
 import math
 import pathlib
 import random
@@ -32,6 +31,7 @@ from rstar_jax.agent.stats import PARSE_ERROR, is_tool_error
 from rstar_jax.analysis.entropy import (LABEL_CODE, LABEL_FORKING, LABEL_REFLECTION, TokenEntropyRecord,
                                         analyse_trajectory, trajectory_entropies)
 from rstar_jax.rollout.records import read_records, rollout_files
+from rstar_jax.train.checkpoint import stored_config
 from rstar_jax.train.metrics import read_metrics
 
 SFT_PREFIX = "sft/"
@@ -135,25 +135,6 @@ class RunData:
         return frame_length(self.rl)
 
 
-def checkpoint_steps(run_dir: str | pathlib.Path) -> list[int]:
-    directory = pathlib.Path(run_dir) / "checkpoints"
-    if not directory.is_dir():
-        return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
-
-
-def run_config(run_dir: str | pathlib.Path) -> dict | None:
-    """The run's config as the checkpointer stored it (latest checkpoint first); None without one."""
-    for step in reversed(checkpoint_steps(run_dir)):
-        path = pathlib.Path(run_dir) / "checkpoints" / str(step) / "config" / "metadata"
-        if path.is_file():
-            try:
-                return json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}: the stored config is not valid JSON ({e.msg})") from None
-    return None
-
-
 def load_run(run_dir: str | pathlib.Path, name: str | None = None) -> RunData:
     """Reads `<run_dir>/metrics.jsonl` (and the stored config) into SFT and RL frames."""
     run_dir = pathlib.Path(run_dir)
@@ -161,7 +142,7 @@ def load_run(run_dir: str | pathlib.Path, name: str | None = None) -> RunData:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: is {run_dir} a run directory?")
     parts = split_metrics(read_metrics(path))
-    config = run_config(run_dir)
+    config = stored_config(run_dir)
     stage = str(config.get("stage")) if config and config.get("stage") else ""
     if not stage:
         files = rollout_files(run_dir)
@@ -254,7 +235,7 @@ def tool_use_by_step(records: Sequence[Mapping[str, Any]], *, correct_threshold:
     `tool_errors[...]`; means: `tool_calls_mean[...]` (calls per trajectory); rates:
     `tool_error_rate[...]` = errors / calls, NaN where a step has no calls in that class (the
     metrics writer logs 0.0 there). A trajectory is positive when its reward exceeds
-    `correct_threshold`, as in `rl_step_stats`.
+    `correct_threshold`, as in `rstar_jax.rollout.stats`.
     """
     acc: dict[int, np.ndarray] = {}
     for i, record in enumerate(records):
@@ -421,7 +402,7 @@ def tokenizer_for_run(run_dir: str | pathlib.Path, tokenizer: str | None = None)
 
     if tokenizer:
         return load_tokenizer("byte") if tokenizer == "byte" else load_tokenizer("hf", tokenizer)
-    config = run_config(run_dir)
+    config = stored_config(run_dir)
     if config is None:
         raise ValueError(f"{run_dir} has no stored config (no checkpoint): pass the tokenizer explicitly "
                          f"(\"byte\" or a tokenizer.json path)")

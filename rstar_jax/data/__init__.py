@@ -6,7 +6,6 @@ from rstar_jax.data.datasets import (
     LoadReport,
     PromptIterator,
     load_examples,
-    prompt_iterator_from_config,
     read_conversations,
     read_examples,
 )
@@ -16,14 +15,15 @@ from rstar_jax.data.synthetic import (
     SyntheticFiles,
     generate_problems,
     prepare_synthetic_data,
+    write_held_out,
     sft_conversation,
     write_problems,
     write_sft_file,
 )
 
 __all__ = [
-    "DataError", "Example", "LoadReport", "PromptIterator", "load_examples", "prompt_iterator_from_config",
+    "DataError", "Example", "LoadReport", "PromptIterator", "load_examples",
     "read_conversations", "read_examples", "GENERATORS", "Problem", "generate_problems", "sft_conversation",
-    "SyntheticFiles", "prepare_synthetic_data",
+    "SyntheticFiles", "prepare_synthetic_data", "write_held_out",
     "write_problems", "write_sft_file",
 ]

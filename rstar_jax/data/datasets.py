@@ -26,12 +26,14 @@ from typing import Any
 import grain
 import numpy as np
 
+from rstar_jax.errors import UserError
+
 FORMATS = ("json", "jsonl", "parquet")
 AUTO_QUESTION_KEYS = ("question", "problem", "prompt.-1.content")
 AUTO_ANSWER_KEYS = ("answer", "reward_model.ground_truth")
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A dataset file or row that cannot be used; the message names the file and row."""
 
 
@@ -306,17 +308,6 @@ class PromptIterator:
                 raise DataError(f"data iterator state belongs to different data: {key} was {state.get(key)!r}, "
                                 f"now {value!r}")
         self._iterator.set_state(state["iterator"])
-
-
-def prompt_iterator_from_config(config, files: Sequence[str] | None = None, *,
-                                batch_size: int | None = None) -> tuple[PromptIterator, LoadReport]:
-    """The RL prompt stream described by `config.data` (files default to data.train_files)."""
-    data = config.data
-    examples, report = load_examples(tuple(files if files is not None else data.train_files), fmt=data.format,
-                                     question_key=data.question_key, answer_key=data.answer_key,
-                                     on_bad_row=data.on_bad_row)
-    iterator = PromptIterator(examples, batch_size or data.num_prompts_per_step, seed=data.shuffle_seed)
-    return iterator, report
 
 
 def read_conversations(path: str | pathlib.Path) -> list[list[dict]]:

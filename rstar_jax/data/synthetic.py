@@ -246,20 +246,26 @@ class SyntheticFiles:
     sft: pathlib.Path  # solved conversations on problems disjoint from the RL seed (jsonl)
 
 
-def prepare_synthetic_data(config, *, format_observation: Callable[[str], str] | None = None) -> SyntheticFiles:
-    """Writes the synthetic datasets a config asks for (`config.data.synthetic`) into
-    `<run_dir>/data/` and returns their paths. Deterministic in the synthetic seed, so a resumed
-    run rewrites identical files. Eval and SFT problems use their own seeds (seed+1, seed+2) so
-    they do not repeat the RL training problems' random draws."""
-    syn = config.data.synthetic
-    out = pathlib.Path(config.run_dir) / "data"
-    kinds = tuple(syn.kinds)
-    train = generate_problems(syn.num_train, seed=syn.seed, kinds=kinds, difficulty=syn.difficulty)
-    held_out = generate_problems(syn.num_eval, seed=syn.seed + 1, kinds=kinds, difficulty=syn.difficulty)
-    sft = generate_problems(syn.num_train, seed=syn.seed + 2, kinds=kinds, difficulty=syn.difficulty)
+def write_held_out(out_dir: str | pathlib.Path, *, num_eval: int, seed: int, kinds: Sequence[str] = (),
+                   difficulty: int = 1) -> pathlib.Path:
+    """`<out_dir>/eval.jsonl`: the held-out problems of the synthetic set with this seed (seed + 1, so
+    they do not repeat the training problems' draws)."""
+    problems = generate_problems(num_eval, seed=seed + 1, kinds=tuple(kinds), difficulty=difficulty)
+    return write_problems(pathlib.Path(out_dir) / "eval.jsonl", problems)
+
+
+def prepare_synthetic_data(out_dir: str | pathlib.Path, *, num_train: int, num_eval: int, seed: int = 0,
+                           kinds: Sequence[str] = (), difficulty: int = 1, tool_name: str = DEFAULT_TOOL_NAME,
+                           format_observation: Callable[[str], str] | None = None) -> SyntheticFiles:
+    """Writes RL problems, held-out problems and solved SFT conversations into `out_dir` and returns
+    their paths. Deterministic in the seed, so a resumed run rewrites identical files. Held-out and
+    SFT problems use their own seeds (seed+1, seed+2) so they do not repeat the RL problems' draws."""
+    out = pathlib.Path(out_dir)
+    kinds = tuple(kinds)
+    train = generate_problems(num_train, seed=seed, kinds=kinds, difficulty=difficulty)
+    sft = generate_problems(num_train, seed=seed + 2, kinds=kinds, difficulty=difficulty)
     return SyntheticFiles(
         train=write_problems(out / "train.jsonl", train),
-        eval=write_problems(out / "eval.jsonl", held_out),
-        sft=write_sft_file(out / "sft.jsonl", sft, tool_name=config.rollout.tool_name,
-                           format_observation=format_observation),
+        eval=write_held_out(out, num_eval=num_eval, seed=seed, kinds=kinds, difficulty=difficulty),
+        sft=write_sft_file(out / "sft.jsonl", sft, tool_name=tool_name, format_observation=format_observation),
     )

@@ -16,6 +16,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from rstar_jax.errors import from_paths
+
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
@@ -23,8 +25,7 @@ class LossConfig:
     clip_high: float = 0.28  # clip-higher epsilon_high
     dual_clip: float | None = None  # verl's clip_ratio_c (3.0); None disables
     log_ratio_clamp: float = 20.0
-    kl_coef: float = 0.0  # GRPO-RoC has no KL term
-    entropy_coef: float = 0.0  # and no entropy bonus
+    entropy_coef: float = 0.0  # GRPO-RoC has no entropy bonus (and no KL term: grpo_loss takes one)
 
     def __post_init__(self):
         if not 0 <= self.clip_low < 1:
@@ -35,10 +36,16 @@ class LossConfig:
             raise ValueError(f"LossConfig.dual_clip must be > 1 (or None), got {self.dual_clip}")
         if self.log_ratio_clamp <= 0:
             raise ValueError(f"LossConfig.log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
+        if self.entropy_coef < 0:
+            raise ValueError(f"LossConfig.entropy_coef must be >= 0, got {self.entropy_coef}")
+
+    @classmethod
+    def from_config(cls, config) -> "LossConfig":
+        """From `config.rl`; a ConfigError names the config field of an invalid value."""
+        return from_paths(cls, config, {"clip_low": "rl.clip_low", "clip_high": "rl.clip_high",
+                                        "dual_clip": "rl.dual_clip", "entropy_coef": "rl.entropy_coef"})
 
 
-SUM_METRICS = ("clip_low_count", "clip_high_count", "dual_clip_count", "ratio_sum", "entropy_sum",
-               "drift_abs_sum", "kl_sum", "pg_loss_sum", "token_count")
 MAX_METRICS = ("ratio_max", "drift_max")
 MIN_METRICS = ("ratio_min",)
 
@@ -101,6 +108,17 @@ def grpo_loss(logprobs, old_logprobs, advantages, loss_mask, *, clip_low=0.2, cl
         metrics["drift_abs_sum"] = jnp.float32(0.0)
         metrics["drift_max"] = jnp.float32(0.0)
     return loss_sum, token_count, jax.lax.stop_gradient(metrics)
+
+
+def empty_metrics(like: dict) -> dict:
+    """The identity of `combine_metrics` for metrics shaped like `like` (arrays or ShapeDtypeStructs):
+    zero sums and counts, maxima at -max and minima at +max float32."""
+    big = jnp.finfo(jnp.float32).max
+    out = {}
+    for key, value in like.items():
+        fill = -big if key in MAX_METRICS else big if key in MIN_METRICS else 0
+        out[key] = jnp.full(value.shape, fill, value.dtype)
+    return out
 
 
 def combine_metrics(a: dict, b: dict) -> dict:

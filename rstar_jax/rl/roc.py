@@ -9,19 +9,19 @@ error and format penalties. Two variants (see rstar2 spec §1.3–1.4):
   execution status.
 - ``release``: banker's-rounded proportional counts with a minimum of 2 per class, the lowest-penalty
   positives first (stable), the first negatives in rollout order; p_err and p_format computed from
-  the decoded text with the release's regexes.
+  counts the release reads off the decoded text (`rstar_jax.agent.stats.release_counts`).
 
-Penalties are computed separately (`paper_penalty`, `release_penalty`, `release_penalty_from_text`)
-so the selection is one function for both variants.
+Penalties are computed separately (`paper_penalty`, `release_penalty`) from per-rollout counts, so
+the selection is one function for both variants and this module never parses text.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-from typing import Sequence
 
 import numpy as np
+
+from rstar_jax.errors import from_paths
 
 VARIANTS = ("paper", "release")
 
@@ -41,6 +41,15 @@ class RocConfig:
             raise ValueError(f"RocConfig.group_size must be >= 1, got {self.group_size}")
         if self.epsilon <= 0:
             raise ValueError(f"RocConfig.epsilon must be > 0, got {self.epsilon}")
+        if self.min_per_class < 0:
+            raise ValueError(f"RocConfig.min_per_class must be >= 0, got {self.min_per_class}")
+
+    @classmethod
+    def from_config(cls, config) -> "RocConfig":
+        """From `config.rl` and the run's seed; a ConfigError names the config field of an invalid value."""
+        return from_paths(cls, config, {"group_size": "rl.group_size", "variant": "rl.roc_variant",
+                                        "epsilon": "rl.roc_epsilon", "min_per_class": "rl.roc_min_per_class",
+                                        "seed": "seed"})
 
 
 # -- penalties ------------------------------------------------------------------------------------
@@ -62,14 +71,10 @@ def paper_penalty(n_tool_calls, n_tool_errors, n_answer_tags, n_turns) -> np.nda
     return p_err + p_format
 
 
-_TOOL_RESPONSE = re.compile(r"<tool_response>(.*?)</tool_response>", re.DOTALL)
-_ASSISTANT_TURN = re.compile(r"<\|im_start\|>assistant.*?<\|im_end\|>", re.DOTALL)
-_ANSWER_PAIR = re.compile(r"<answer>.*?</answer>", re.DOTALL)
-
-
 def release_penalty(n_tool_responses, n_error_responses, n_answer_open, n_answer_close, n_answer_pairs,
                     n_later_turns) -> np.ndarray:
-    """The release's penalty from its text counts (rStar roc.py): see `release_penalty_from_text`."""
+    """The release's penalty (rStar roc.py) from its text counts, which
+    `rstar_jax.agent.stats.release_counts` reads from a decoded response."""
     blocks = np.asarray(n_tool_responses, np.float64)
     p_err = np.where(blocks > 0, np.asarray(n_error_responses, np.float64) / np.maximum(blocks, 1.0), 0.5)
     opens = np.asarray(n_answer_open)
@@ -79,26 +84,6 @@ def release_penalty(n_tool_responses, n_error_responses, n_answer_open, n_answer
     bad_tags = (opens == 0) | (closes == 0) | (opens != pairs) | (closes != pairs)
     p_format = np.where(bad_tags | (turns == 0), 1.0, np.minimum((pairs - 1.0) / np.maximum(turns, 1.0), 1.0))
     return p_err + p_format
-
-
-def release_counts_from_text(response_text: str) -> dict[str, int]:
-    """The release's counts from a response decoded with special tokens kept (text after the prompt)."""
-    blocks = _TOOL_RESPONSE.findall(response_text)
-    return {
-        "n_tool_responses": len(blocks),
-        "n_error_responses": sum("error" in b.lower() for b in blocks),
-        "n_answer_open": response_text.count("<answer>"),
-        "n_answer_close": response_text.count("</answer>"),
-        "n_answer_pairs": len(_ANSWER_PAIR.findall(response_text)),
-        # The first assistant turn's <|im_start|>assistant is part of the prompt, so only later
-        # turns match (the release's behaviour, spec §1.3).
-        "n_later_turns": len(_ASSISTANT_TURN.findall(response_text)),
-    }
-
-
-def release_penalty_from_text(response_texts: Sequence[str]) -> np.ndarray:
-    counts = [release_counts_from_text(t) for t in response_texts]
-    return release_penalty(**{k: [c[k] for c in counts] for k in counts[0]}) if counts else np.zeros(0)
 
 
 # -- selection ------------------------------------------------------------------------------------
@@ -113,10 +98,6 @@ class RocResult:
     dropped_too_small: int
     kept_positive_penalty_mean: float  # nan when no positive was kept
     discarded_positive_penalty_mean: float  # nan when none was discarded
-
-    @property
-    def groups_dropped(self) -> int:
-        return self.dropped_all_correct + self.dropped_all_wrong + self.dropped_too_small
 
     def stats(self) -> dict:
         """Step metrics; the penalty means appear only when defined (no NaN in logs)."""

@@ -23,6 +23,7 @@ from rstar_jax.agent.stats import PARSE_ERROR, count_answer_tags, is_tool_error
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
 from rstar_jax.agent.tool_calls import ToolCallError, format_observation, parse_tool_calls
+from rstar_jax.errors import from_paths
 from rstar_jax.rollout.protocol import FINISH_ABORT, FINISH_LENGTH, Generator, SamplingParams, Scheduler
 from rstar_jax.rollout.trajectory import (
     STOP_ABORTED,
@@ -44,7 +45,6 @@ Scorer = Callable[..., Awaitable[float]]  # async (model_text, gold, truncated=.
 log = logging.getLogger(__name__)
 
 OBSERVATION_STYLES = ("release", "paper")
-REWARD_MODES = ("local", "sandbox")  # see rstar_jax.agent.reward.make_scorer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +59,6 @@ class LoopConfig:
     observation_style: str = "release"
     observation_max_chars: int = 256
     tool_timeout_s: float | None = None  # None: the sandbox's default
-    reward_mode: str = "local"  # local process pool or the sandbox's Verify RPC
-    verify_timeout_s: float = 10.0
     # Seeded sampling: each trajectory draws from a seed derived from (seed, group_id, sample_index),
     # so its tokens do not depend on batching or timing (reproducible runs, exact resume).
     # None: the generator's own random stream.
@@ -70,14 +68,35 @@ class LoopConfig:
         if self.observation_style not in OBSERVATION_STYLES:
             raise ValueError(f"LoopConfig.observation_style must be one of {OBSERVATION_STYLES}, "
                              f"got {self.observation_style!r}")
-        if self.reward_mode not in REWARD_MODES:
-            raise ValueError(f"LoopConfig.reward_mode must be one of {REWARD_MODES}, got {self.reward_mode!r}")
         if self.max_calls_per_turn < 1:
             raise ValueError(f"LoopConfig.max_calls_per_turn must be >= 1, got {self.max_calls_per_turn}")
         if self.max_turns < 1:
             raise ValueError(f"LoopConfig.max_turns must be >= 1, got {self.max_turns}")
         if self.response_budget < 1:
             raise ValueError(f"LoopConfig.response_budget must be >= 1, got {self.response_budget}")
+        if not self.temperature >= 0:  # 0 is greedy (evaluation may use it; RL needs > 0)
+            raise ValueError(f"LoopConfig.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"LoopConfig.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"LoopConfig.top_k must be -1 (off) or >= 1, got {self.top_k}")
+        if self.observation_max_chars < 1:
+            raise ValueError(f"LoopConfig.observation_max_chars must be >= 1, got {self.observation_max_chars}")
+        if self.tool_timeout_s is not None and not self.tool_timeout_s > 0:
+            raise ValueError(f"LoopConfig.tool_timeout_s must be > 0 (or None), got {self.tool_timeout_s}")
+
+    @classmethod
+    def from_config(cls, config, sampling: str = "rollout") -> "LoopConfig":
+        """Turns, budget and sampling from `config.<sampling>` ("rollout" for RL, "eval" for the
+        evaluation protocol), the tool protocol from `config.rollout`, the call limit from
+        `config.sandbox`. A ConfigError names the config field of an invalid value."""
+        paths = {name: f"{sampling}.{name}" for name in ("max_turns", "response_budget", "temperature", "top_p",
+                                                          "top_k")}
+        paths.update({"tool_name": "rollout.tool_name", "max_calls_per_turn": "rollout.max_tool_calls_per_turn",
+                      "observation_style": "rollout.observation_style",
+                      "observation_max_chars": "rollout.observation_max_chars", "tool_timeout_s": "sandbox.timeout_s",
+                      "seed": "seed"})
+        return from_paths(cls, config, paths, seed=config.seed if config.rollout.seeded_sampling else None)
 
 
 _rid_counter = itertools.count()

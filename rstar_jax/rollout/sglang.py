@@ -7,8 +7,8 @@ max_new_tokens (SGLang otherwise takes them from the model's generation_config),
 "abort" and its partial tokens; the caller decides whether to resume it.
 
 Control plane: `server_info`, `loads`, `flush_cache`, `pause`, `resume`, `update_weights_from_disk`,
-`weight_version`, `abort_all`. `sync_weights_via_disk` exports Hugging Face safetensors and makes
-every server load them.
+`weight_version`, `abort_all`. The trainer's weight sync (`rstar_jax.train.weight_sync.DiskSync`)
+exports Hugging Face safetensors and makes every server load them through this client.
 
 Errors: connection failures and HTTP 502/503/504 are retried a bounded number of times with
 exponential backoff, then raise `SGLangError` naming the server, endpoint and last error; HTTP 4xx
@@ -278,35 +278,6 @@ class SGLangGenerator:
         return body
 
 
-async def sync_weights_via_disk(model, generators: Sequence[SGLangGenerator], directory: str | os.PathLike, *,
-                                version: int, mode: str = "abort", dtype: str | None = None) -> str:
-    """Exports `model` as HF safetensors into `directory` and loads it on every server.
-
-    mode "abort": `abort_all_requests` (running requests return partial output with finish reason
-    "abort"; the rollout loop resubmits them). mode "pause": pause (abort mode), update, continue.
-    mode "wait": the server lets running requests finish on the old weights first.
-    Every server reports `version` afterwards. Returns the checkpoint directory.
-    """
-    if mode not in ("abort", "pause", "wait"):
-        raise ValueError(f"sync_weights_via_disk: mode must be 'abort', 'pause' or 'wait', got {mode!r}")
-    from rstar_jax.model.hf import save_pretrained  # the model package is heavy; import on use
-
-    path = await asyncio.to_thread(save_pretrained, model, directory, dtype=dtype)
-
-    async def one(gen: SGLangGenerator):
-        if mode == "pause":
-            await gen.pause("abort")
-            try:
-                await gen.update_weights_from_disk(path, weight_version=version)
-            finally:
-                await gen.resume()
-        else:
-            await gen.update_weights_from_disk(path, abort_all_requests=mode == "abort", weight_version=version)
-
-    await asyncio.gather(*(one(g) for g in generators))
-    return os.fspath(path)
-
-
 def _maybe_json(text: str) -> Any:
     try:
         return json.loads(text) if text else None
@@ -324,5 +295,4 @@ def _error_message(body: Any) -> str:
     return str(body)[:300]
 
 
-__all__ = ["SGLangError", "SGLangGenerator", "new_rid", "parse_generate_response", "sampling_payload",
-           "sync_weights_via_disk"]
+__all__ = ["SGLangError", "SGLangGenerator", "new_rid", "parse_generate_response", "sampling_payload"]

@@ -11,7 +11,6 @@ STOP_NO_TOOL_CALL = "no_tool_call"  # the model answered (or stopped calling too
 STOP_MAX_TURNS = "max_turns"
 STOP_BUDGET = "budget"  # the shared response budget (model + tool tokens) ran out: truncated
 STOP_ABORTED = "aborted"
-STOP_ERROR = "error"
 
 
 @dataclasses.dataclass

@@ -2,9 +2,9 @@
 
 Every array is aligned to *targets*: position j of a row predicts token j+1 of its sequence, so
 `loss_mask[j]` is 1 exactly when token j+1 was sampled by the policy, and `old_logprobs[j]` /
-`advantages[j]` belong to that token. Shapes are fixed ([num_micro_batches, rows, row_length]) and
-the number of micro-batches can be rounded up with empty ones, so the jitted step does not
-recompile from step to step.
+`advantages[j]` belong to that token. Shapes are fixed ([num_micro_batches, rows, row_length]), and
+a caller that fixes `num_micro_batches` to its worst case gets one shape for the whole run: the
+jitted step compiles once whatever RoC kept (the step skips the empty micro-batches).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ class TrainingSequence:
     response_ids: Sequence[int]
     loss_mask: Sequence[int]  # per response token
     advantage: float
-    old_logprobs: Sequence[float] | None = None  # per response token (sampler's when not recomputed)
+    old_logprobs: Sequence[float] | None = None  # π_old per response token; None: recomputed by the trainer
+    sampler_logprobs: Sequence[float] | None = None  # the generator's, per response token (drift metric)
 
 
 def _sequence_arrays(seq: TrainingSequence) -> dict[str, np.ndarray]:
@@ -41,20 +42,24 @@ def _sequence_arrays(seq: TrainingSequence) -> dict[str, np.ndarray]:
     n = len(tokens) - 1
     target_mask = np.zeros(n, np.float32)
     target_mask[len(prompt) - 1:] = mask
-    logp = np.zeros(n, np.float32)
-    if seq.old_logprobs is not None:
-        old = np.asarray(seq.old_logprobs, np.float32)
-        if len(old) != len(response):
-            raise ValueError(f"training sequence: {len(response)} response tokens but {len(old)} log-probs")
-        logp[len(prompt) - 1:] = old
+
+    def aligned(values, name):
+        out = np.zeros(n, np.float32)
+        if values is not None:
+            values = np.asarray(values, np.float32)
+            if len(values) != len(response):
+                raise ValueError(f"training sequence: {len(response)} response tokens but {len(values)} {name}")
+            out[len(prompt) - 1:] = values
+        return out
+
     return {
         "input_ids": tokens[:-1],
         "targets": tokens[1:],
         "positions": np.arange(n, dtype=np.int32),
         "loss_mask": target_mask,
         "advantages": target_mask * np.float32(seq.advantage),
-        "old_logprobs": logp,
-        "sampler_logprobs": logp.copy(),
+        "old_logprobs": aligned(seq.old_logprobs, "old log-probs"),
+        "sampler_logprobs": aligned(seq.sampler_logprobs, "sampler log-probs"),
     }
 
 
@@ -72,14 +77,15 @@ def make_micro_batches(
     rows: int,
     row_length: int,
     packed: bool = True,
-    min_micro_batches: int = 1,
-    round_micro_batches_to: int = 1,
+    num_micro_batches: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Lays sequences into [M, rows, row_length] arrays.
 
     packed: first-fit-decreasing packing of several sequences per row (segment ids 1, 2, ...,
     positions restarting per sequence); otherwise one sequence per row. A sequence longer than
     row_length is an error (never truncated silently). Padding has segment id 0 and mask 0.
+    num_micro_batches: M exactly, the rest being empty micro-batches (an error if the sequences need
+    more); None: as many as the sequences need (at least one).
     """
     if rows < 1 or row_length < 2:
         raise ValueError(f"make_micro_batches: rows ({rows}) must be >= 1 and row_length ({row_length}) >= 2")
@@ -107,8 +113,11 @@ def make_micro_batches(
         if not placed:
             row_contents.append([i])
             row_fill.append(length)
-    m = max(min_micro_batches, -(-len(row_contents) // rows))
-    m = -(-m // round_micro_batches_to) * round_micro_batches_to
+    needed = max(1, -(-len(row_contents) // rows))
+    if num_micro_batches is not None and needed > num_micro_batches:
+        raise ValueError(f"make_micro_batches: the sequences fill {len(row_contents)} rows, more than "
+                         f"num_micro_batches x rows = {num_micro_batches} x {rows}")
+    m = needed if num_micro_batches is None else num_micro_batches
     out = _empty((m * rows, row_length))
     for r, members in enumerate(row_contents):
         offset = 0

@@ -22,7 +22,7 @@ import dataclasses
 import json
 import pathlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -30,10 +30,12 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from rstar_jax.errors import ConfigError, UserError
+
 ExportHook = Callable[[int, pathlib.Path], Any]
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError):
     """A checkpoint that is missing or does not match its restore target."""
 
 
@@ -148,15 +150,6 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=async_save,
                                                create=True)
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
-
-    @classmethod
-    def from_config(cls, config, *, export_hf: ExportHook | None = None) -> "Checkpointer":
-        """`<run_dir>/checkpoints` with `config.checkpoint` settings; HF exports go to `<run_dir>/hf`."""
-        run_dir = pathlib.Path(config.run_dir)
-        c = config.checkpoint
-        return cls(run_dir / "checkpoints", max_to_keep=c.max_to_keep, async_save=c.async_save,
-                   save_every=c.every_steps, export_hf=export_hf, export_every=c.export_hf_every,
-                   export_dir=run_dir / "hf")
 
     # -- saving ---------------------------------------------------------------------------------
     def should_save(self, step: int) -> bool:
@@ -288,3 +281,95 @@ def _write_back(target: Any, pure: Any) -> None:
         state = nnx.state(target)
         nnx.replace_by_pure_dict(state, pure)
         nnx.update(target, state)
+
+
+# -- run directories and policy resolution --------------------------------------------------------
+
+def checkpoints_directory(path: str | pathlib.Path) -> pathlib.Path:
+    """A run directory or its checkpoints/ directory -> the directory holding the step directories."""
+    path = pathlib.Path(path)
+    nested = path / "checkpoints"
+    return nested if nested.is_dir() else path
+
+
+def checkpoint_steps(path: str | pathlib.Path) -> list[int]:
+    """The checkpoint steps under a run directory (or its checkpoints/ directory), ascending. Orbax
+    writes a step under a temporary name and renames it when committed, so a step directory is a
+    committed checkpoint."""
+    directory = checkpoints_directory(path)
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.is_dir() and p.name.isdigit())
+
+
+def stored_config(path: str | pathlib.Path, step: int | None = None) -> dict | None:
+    """The run config a checkpoint step holds (default: the latest step that has one); None without."""
+    directory = checkpoints_directory(path)
+    steps = [step] if step is not None else list(reversed(checkpoint_steps(directory)))
+    for s in steps:
+        # The JSON item as orbax writes it, read directly: inspecting a run needs no checkpoint manager.
+        item = directory / str(s) / "config" / "metadata"
+        if item.is_file():
+            try:
+                return json.loads(item.read_text()) or None
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{item}: the stored config is not valid JSON ({e.msg})") from None
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicySource:
+    """Where a policy comes from: an HF directory, an orbax checkpoint, or servers already serving it."""
+
+    kind: str  # "hf" | "checkpoint" | "servers"
+    path: str = ""  # HF directory or the orbax checkpoints directory
+    step: int | None = None  # resolved checkpoint step
+    urls: tuple[str, ...] = ()
+    field: str = "model.hf_path"  # the config field that named it (for errors)
+
+    def identity(self) -> dict:
+        """What a resumable evaluation records: the same policy on resume (URLs may change)."""
+        if self.kind == "servers":
+            return {"kind": "servers"}
+        out = {"kind": self.kind, "path": str(pathlib.Path(self.path).resolve())}
+        if self.kind == "checkpoint":
+            out["step"] = self.step
+        return out
+
+
+def policy_source(*, hf_path: str = "", checkpoint_dir: str = "", checkpoint_step: int | None = None,
+                  generator_urls: Sequence[str] = (), prefix: str = "eval", fallback_dir: str = "",
+                  fallback_field: str = "") -> PolicySource:
+    """Resolves a policy: servers, else an orbax checkpoint (`<prefix>.checkpoint_dir`), else the HF
+    directory `model.hf_path`, else `fallback_dir` (a checkpoint directory named by `fallback_field`).
+    Errors are ConfigErrors naming the field."""
+    if generator_urls:
+        return PolicySource("servers", urls=tuple(generator_urls), field=f"{prefix}.generator_urls")
+    if checkpoint_dir and hf_path:
+        raise ConfigError(f"config.{prefix}.checkpoint_dir: set either model.hf_path (an HF directory) or "
+                          f"{prefix}.checkpoint_dir (an orbax run), not both")
+    field = f"{prefix}.checkpoint_dir"
+    if not checkpoint_dir and not hf_path and fallback_dir:
+        checkpoint_dir, field = fallback_dir, fallback_field
+    if checkpoint_dir:
+        if not pathlib.Path(checkpoint_dir).is_dir():
+            raise ConfigError(f"config.{field}: {checkpoint_dir} is not a directory")
+        directory = checkpoints_directory(checkpoint_dir)
+        steps = checkpoint_steps(directory)
+        if not steps:
+            raise ConfigError(f"config.{field}: no committed orbax checkpoint in {directory} (expected a run "
+                              f"directory or its checkpoints/ directory)")
+        if checkpoint_step is None:
+            step = steps[-1]
+        elif checkpoint_step in steps:
+            step = checkpoint_step
+        else:
+            raise ConfigError(f"config.{prefix}.checkpoint_step: no step {checkpoint_step} in {directory} "
+                              f"(available: {steps})")
+        return PolicySource("checkpoint", path=str(directory), step=step, field=field)
+    if hf_path:
+        if not pathlib.Path(hf_path, "config.json").is_file():
+            raise ConfigError(f"config.model.hf_path: {hf_path} is not a Hugging Face model directory (no config.json)")
+        return PolicySource("hf", path=hf_path, field="model.hf_path")
+    raise ConfigError(f"config.{prefix}.checkpoint_dir: no policy: set model.hf_path, {prefix}.checkpoint_dir or "
+                      f"{prefix}.generator_urls")

@@ -1,4 +1,4 @@
-"""Run metrics: JSONL + TensorBoard writer, a plain-text progress bar, RL step statistics, FLOPs/MFU.
+"""Run metrics: JSONL + TensorBoard writer, a plain-text progress bar, FLOPs/MFU.
 
 FLOP convention (PaLM, Chowdhery et al. 2022, App. B, with the causal half):
 training costs `6·N + 6·L·H·hd·T` FLOPs per token, where N counts every parameter that takes part
@@ -18,7 +18,7 @@ import os
 import pathlib
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, TextIO
 
 import numpy as np
@@ -69,10 +69,6 @@ class MetricsWriter:
 
             self._tb = SummaryWriter(logdir=str(self.run_dir / "tb"), flush_secs=10)
         self.closed = False
-
-    @classmethod
-    def from_config(cls, config) -> "MetricsWriter":
-        return cls(config.run_dir, tensorboard=config.metrics.tensorboard, jsonl=config.metrics.jsonl)
 
     def write(self, step: int, metrics: Mapping[str, Any], *, prefix: str = "") -> dict:
         """Logs `metrics` at `step`; returns the record written. Numeric scalars go to TensorBoard."""
@@ -220,79 +216,6 @@ class ProgressBar:
         if self._tty and self.last_line:
             self.stream.write("\n")
             self.stream.flush()
-
-
-# -- RL step statistics ---------------------------------------------------------------------------
-
-def _get(item: Any, name: str, default: Any = None) -> Any:
-    if isinstance(item, Mapping):
-        return item.get(name, default)
-    return getattr(item, name, default)
-
-
-def _response_length(item: Any) -> int:
-    length = _get(item, "response_length")
-    if length is not None:
-        return int(length)
-    ids = _get(item, "response_ids")
-    if ids is None:
-        raise ValueError("trajectory has neither response_length nor response_ids")
-    return len(ids)
-
-
-def _truncated(item: Any) -> bool:
-    return bool(_get(item, "truncated", False)) or _get(item, "finish_reason") == "budget"
-
-
-def _ratio(num: float, den: float) -> float:
-    return float(num) / float(den) if den else 0.0
-
-
-def rl_step_stats(trajectories: Sequence[Any], *, correct_threshold: float = 0.5) -> dict[str, float]:
-    """Per-step rollout statistics from per-trajectory dicts or objects (e.g. `Trajectory`).
-
-    Fields read: reward, group_id, n_tool_calls, n_tool_errors, n_answer_tags, truncated /
-    finish_reason, and response_length or response_ids. A trajectory is positive when its reward
-    exceeds `correct_threshold`. Groups (by group_id) with every rollout correct or every rollout
-    wrong are the ones RoC drops (spec §5.3); the rest are kept. A format violation is an answer
-    block count other than one (no answer, or several). Tool-error rates are errors / calls
-    within positive and within negative trajectories.
-    """
-    if not trajectories:
-        raise ValueError("rl_step_stats: no trajectories")
-    rewards = np.asarray([float(_get(t, "reward", 0.0)) for t in trajectories])
-    positive = rewards > correct_threshold
-    calls = np.asarray([int(_get(t, "n_tool_calls", 0)) for t in trajectories])
-    errors = np.asarray([int(_get(t, "n_tool_errors", 0)) for t in trajectories])
-    answers = np.asarray([int(_get(t, "n_answer_tags", 0)) for t in trajectories])
-    lengths = np.asarray([_response_length(t) for t in trajectories])
-    truncated = np.asarray([_truncated(t) for t in trajectories])
-    groups: dict[Any, list[bool]] = {}
-    for t, ok in zip(trajectories, positive):
-        groups.setdefault(_get(t, "group_id", 0), []).append(bool(ok))
-    all_correct = sum(all(g) for g in groups.values())
-    all_wrong = sum(not any(g) for g in groups.values())
-    negative = ~positive
-    return {
-        "reward_mean": float(rewards.mean()),
-        "pass_rate": float(positive.mean()),  # fraction of correct trajectories
-        "group_solve_rate": _ratio(sum(any(g) for g in groups.values()), len(groups)),
-        "num_trajectories": len(trajectories),
-        "num_groups": len(groups),
-        "groups_kept": len(groups) - all_correct - all_wrong,
-        "groups_dropped_all_correct": all_correct,
-        "groups_dropped_all_wrong": all_wrong,
-        "tool_calls_mean": float(calls.mean()),
-        "tool_calls_mean_positive": _ratio(calls[positive].sum(), positive.sum()),
-        "tool_calls_mean_negative": _ratio(calls[negative].sum(), negative.sum()),
-        "tool_error_rate": _ratio(errors.sum(), calls.sum()),
-        "tool_error_rate_positive": _ratio(errors[positive].sum(), calls[positive].sum()),
-        "tool_error_rate_negative": _ratio(errors[negative].sum(), calls[negative].sum()),
-        "format_violation_rate": float((answers != 1).mean()),
-        "response_length_mean": float(lengths.mean()),
-        "response_length_max": int(lengths.max()),
-        "truncation_ratio": float(truncated.mean()),
-    }
 
 
 # -- FLOPs and MFU --------------------------------------------------------------------------------

@@ -13,19 +13,45 @@ from typing import Sequence
 
 import numpy as np
 
+from rstar_jax.agent.stats import release_counts
 from rstar_jax.rl.advantages import group_advantages
-from rstar_jax.rl.roc import RocConfig, RocResult, paper_penalty, release_penalty_from_text, resample_on_correct
+from rstar_jax.rl.roc import RocConfig, RocResult, paper_penalty, release_penalty, resample_on_correct
 from rstar_jax.rollout.trajectory import Trajectory
 from rstar_jax.train.batching import TrainingSequence, bucket_length, make_micro_batches
 
 
 @dataclasses.dataclass(frozen=True)
 class BatchConfig:
-    rows: int  # sequences (padded) or packed rows per micro-batch
+    rows: int  # rows per micro-batch over the whole mesh: data-parallel shards x rows per shard
     row_length: int  # tokens per row (prompt + response - 1 for the largest sequence)
     packed: bool = True
-    round_micro_batches_to: int = 1  # pad the micro-batch count to a multiple (fewer recompiles)
-    use_sampler_logprobs: bool = True  # old log-probs from the sampler (else recomputed by the caller)
+    # Every step's batch has exactly this many micro-batches (its worst case), so the jitted step
+    # compiles once per run; empty ones cost nothing. None: as many as each step needs.
+    num_micro_batches: int | None = None
+    use_sampler_logprobs: bool = True  # old log-probs from the sampler (else recomputed by the trainer)
+
+    def __post_init__(self):
+        if self.rows < 1:
+            raise ValueError(f"BatchConfig.rows must be >= 1, got {self.rows}")
+        if self.row_length < 2:
+            raise ValueError(f"BatchConfig.row_length must be >= 2, got {self.row_length}")
+        if self.num_micro_batches is not None and self.num_micro_batches < 1:
+            raise ValueError(f"BatchConfig.num_micro_batches must be >= 1 (or None), got {self.num_micro_batches}")
+
+    @classmethod
+    def from_config(cls, config, data_parallel: int = 1) -> "BatchConfig":
+        """`rl.micro_batch_tokens` per data-parallel shard (the release's ppo_max_token_len_per_gpu):
+        each micro-batch holds `data_parallel` times that many rows. The micro-batch count is fixed
+        at what the most RoC can keep (num_prompts_per_step x group_size trajectories, one per row)."""
+        r, rl = config.rollout, config.rl
+        row_length = row_length_for(r.max_prompt_length, r.response_budget)
+        # A row is the longest sequence rounded up to 128 tokens: a budget of at least one sequence
+        # (what validation asks for) holds at least one row.
+        per_shard = max(1, rl.micro_batch_tokens // row_length)
+        rows = data_parallel * per_shard
+        most_kept = config.data.num_prompts_per_step * rl.group_size
+        return cls(rows=rows, row_length=row_length, packed=True, num_micro_batches=-(-most_kept // rows),
+                   use_sampler_logprobs=rl.use_sampler_logprobs)
 
 
 @dataclasses.dataclass
@@ -47,7 +73,8 @@ def penalties_for(trajectories: Sequence[Trajectory], variant: str, decode=None)
                              [t.n_answer_tags for t in trajectories], [max(t.n_turns, 1) for t in trajectories])
     if decode is None:
         raise ValueError("penalties_for: the release variant needs `decode(ids) -> text` (special tokens kept)")
-    return release_penalty_from_text([decode(t.response_ids) for t in trajectories])
+    counts = [release_counts(decode(t.response_ids)) for t in trajectories]
+    return release_penalty(**{key: [c[key] for c in counts] for key in counts[0]}) if counts else np.zeros(0)
 
 
 def prepare_batch(trajectories: Sequence[Trajectory], roc_config: RocConfig, batch_config: BatchConfig,
@@ -68,18 +95,12 @@ def prepare_batch(trajectories: Sequence[Trajectory], roc_config: RocConfig, bat
     sequences = [
         TrainingSequence(
             prompt_ids=t.prompt_ids, response_ids=t.response_ids, loss_mask=t.loss_mask, advantage=float(a),
-            old_logprobs=t.sampler_logprobs if batch_config.use_sampler_logprobs else None)
+            old_logprobs=t.sampler_logprobs if batch_config.use_sampler_logprobs else None,
+            sampler_logprobs=t.sampler_logprobs)
         for t, a in zip(kept, advantages)
     ]
     batch = make_micro_batches(sequences, rows=batch_config.rows, row_length=batch_config.row_length,
-                               packed=batch_config.packed, round_micro_batches_to=batch_config.round_micro_batches_to)
-    # The sampler's log-probs stay available for the drift metric even when π_old is recomputed.
-    if not batch_config.use_sampler_logprobs:
-        sampler = make_micro_batches(
-            [dataclasses.replace(s, old_logprobs=t.sampler_logprobs) for s, t in zip(sequences, kept)],
-            rows=batch_config.rows, row_length=batch_config.row_length, packed=batch_config.packed,
-            round_micro_batches_to=batch_config.round_micro_batches_to)
-        batch["sampler_logprobs"] = sampler["old_logprobs"]
+                               packed=batch_config.packed, num_micro_batches=batch_config.num_micro_batches)
     return PreparedBatch(batch, kept, advantages, roc)
 
 

@@ -10,7 +10,7 @@ accumulation as the RL step.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -93,14 +93,11 @@ class SftBatches:
         for s in range(self.steps_per_epoch()):
             chosen = [self.sequences[i] for i in order[s * self.conversations_per_step:(s + 1) * self.conversations_per_step]]
             yield make_micro_batches(chosen, rows=self.rows, row_length=self.row_length, packed=True,
-                                     round_micro_batches_to=self._micro_batch_multiple())
+                                     num_micro_batches=self.num_micro_batches())
 
-    def _micro_batch_multiple(self) -> int:
-        # Round the micro-batch count up to a fixed bound so every step has one shape.
+    def num_micro_batches(self) -> int:
+        """Every step's count: what `conversations_per_step` of the longest conversation need, so
+        the step compiles once (a row holds at least row_length // longest conversations)."""
         longest = max(len(s.prompt_ids) + len(s.response_ids) for s in self.sequences)
         per_row = max(1, self.row_length // longest)
         return -(-self.conversations_per_step // (per_row * self.rows))
-
-
-def as_device_batch(batch: dict[str, np.ndarray]) -> dict[str, Any]:
-    return {k: jnp.asarray(v) for k, v in batch.items()}

@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from rstar_jax.errors import from_paths
 from rstar_jax.rl.logprobs import token_logprobs
-from rstar_jax.rl.loss import LossConfig, combine_metrics, grpo_loss
+from rstar_jax.rl.loss import LossConfig, combine_metrics, empty_metrics, grpo_loss
 
-BATCH_FIELDS = ("input_ids", "targets", "positions", "segment_ids", "loss_mask", "advantages", "old_logprobs",
-                "sampler_logprobs")
+LR_SCHEDULES = ("constant", "cosine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +36,40 @@ class OptimizerConfig:
     min_lr_ratio: float = 0.0
 
     def __post_init__(self):
-        if self.schedule not in ("constant", "cosine"):
-            raise ValueError(f"OptimizerConfig.schedule must be 'constant' or 'cosine', got {self.schedule!r}")
+        if self.schedule not in LR_SCHEDULES:
+            raise ValueError(f"OptimizerConfig.schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}")
         if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
             raise ValueError("OptimizerConfig.total_steps must exceed warmup_steps for a cosine schedule")
         if self.lr <= 0:
             raise ValueError(f"OptimizerConfig.lr must be > 0, got {self.lr}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"OptimizerConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"OptimizerConfig.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.weight_decay < 0:
+            raise ValueError(f"OptimizerConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.grad_clip < 0:
+            raise ValueError(f"OptimizerConfig.grad_clip must be >= 0, got {self.grad_clip}")
+
+    @classmethod
+    def from_config(cls, config) -> "OptimizerConfig":
+        """The RL optimizer: `config.optim` over `train.steps`; a ConfigError names an invalid field."""
+        return from_paths(cls, config, {**ADAMW_PATHS, "lr": "optim.lr", "warmup_steps": "optim.warmup_steps",
+                                        "schedule": "optim.schedule", "total_steps": "train.steps"})
+
+    @classmethod
+    def for_sft(cls, config, total_steps: int) -> "OptimizerConfig":
+        """The SFT optimizer: `config.sft`'s rate and schedule over `total_steps`, warm-up as a
+        fraction of them (a schedule too short for its warm-up stays constant), AdamW from `config.optim`."""
+        warmup = max(0, int(round(config.sft.warmup_ratio * total_steps)))
+        return from_paths(cls, config, {**ADAMW_PATHS, "lr": "sft.lr", "warmup_steps": "sft.warmup_ratio",
+                                        "schedule": "sft.schedule", "total_steps": "sft.epochs"},
+                          warmup_steps=warmup, total_steps=total_steps,
+                          schedule=config.sft.schedule if total_steps > warmup else "constant")
+
+
+ADAMW_PATHS = {"b1": "optim.b1", "b2": "optim.b2", "weight_decay": "optim.weight_decay", "grad_clip": "optim.grad_clip"}
 
 
 def lr_schedule(config: OptimizerConfig) -> optax.Schedule:
@@ -61,7 +89,33 @@ def make_optimizer(model: nnx.Module, config: OptimizerConfig = OptimizerConfig(
         optax.clip_by_global_norm(config.grad_clip),
         optax.adamw(lr_schedule(config), b1=config.b1, b2=config.b2, weight_decay=config.weight_decay),
     )
-    return nnx.Optimizer(model, tx, wrt=nnx.Param)
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    meshes = {x.sharding.mesh for x in jax.tree.leaves(nnx.state(model))
+              if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)}
+    if len(meshes) == 1:
+        mesh = meshes.pop()
+        for obj in (model, optimizer):
+            nnx.update(obj, jax.tree.map(lambda x: _as_step_output(x, mesh), nnx.state(obj)))
+    return optimizer
+
+
+def _as_step_output(x, mesh: jax.sharding.Mesh):
+    """The placement a jitted step returns for `x` on `mesh`: a NamedSharding without trailing
+    unsplit dimensions, replication as P(). Model and optimizer state start out placed that way, so
+    the donated step's outputs are its next inputs to the letter and it does not compile twice."""
+    sharding = getattr(x, "sharding", None)
+    if not isinstance(x, jax.Array) or sharding is None or mesh.size == 1:
+        return x
+    if isinstance(sharding, jax.sharding.NamedSharding) and sharding.mesh == mesh:
+        spec = list(sharding.spec)
+        while spec and spec[-1] is None:
+            spec.pop()
+        canonical = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    elif sharding.is_fully_replicated:  # scalars such as step counts start on one device
+        canonical = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    else:
+        return x
+    return x if canonical == sharding else jax.device_put(x, canonical)
 
 
 def _grpo_micro_loss(model, mb: dict, loss_config: LossConfig, chunk_size: int, temperature):
@@ -75,11 +129,17 @@ def _grpo_micro_loss(model, mb: dict, loss_config: LossConfig, chunk_size: int, 
         entropy_coef=loss_config.entropy_coef, sampler_logprobs=mb["sampler_logprobs"])
 
 
+def _has_tokens(mb: dict):
+    # Micro-batches with nothing to train on are the fixed-shape padding (see rl_batch.BatchConfig).
+    return jnp.any(mb["loss_mask"] > 0)
+
+
 def accumulate_grads(model: nnx.Module, batch: dict, micro_loss):
     """Sums `micro_loss` numerators, gradients and metrics over the micro-batches of `batch`.
 
     micro_loss(model, micro_batch) -> (loss_sum, token_count, metrics). Returns (loss, grads,
     metrics) with loss and grads divided once by the total token count: the exact token mean.
+    Micro-batches without a trained token are skipped (they would add exactly nothing).
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -88,20 +148,23 @@ def accumulate_grads(model: nnx.Module, batch: dict, micro_loss):
         return loss_sum, {**metrics, "token_count": count, "loss_sum": loss_sum}
 
     grad_fn = jax.grad(loss_of_params, has_aux=True)
-
     # Sums are kept in float32 whatever the parameter dtype: many bf16 additions would lose the
     # small per-micro-batch contributions.
-    to_f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
+    zero_grads = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
+    _, metric_shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], batch))
+    no_metrics = empty_metrics(metric_shapes)
 
     def body(carry, mb):
         grads_acc, metrics_acc = carry
-        grads, metrics = grad_fn(params, mb)
-        return (jax.tree.map(jnp.add, grads_acc, to_f32(grads)), combine_metrics(metrics_acc, metrics)), None
 
-    # The first micro-batch seeds the accumulators: their structure, and their sharding under a
-    # mesh, come from the backward pass itself.
-    grads0, metrics0 = grad_fn(params, jax.tree.map(lambda x: x[0], batch))
-    (grads_sum, metrics), _ = jax.lax.scan(body, (to_f32(grads0), metrics0), jax.tree.map(lambda x: x[1:], batch))
+        def compute():
+            grads, metrics = grad_fn(params, mb)
+            return jax.tree.map(lambda g: g.astype(jnp.float32), grads), metrics
+
+        grads, metrics = jax.lax.cond(_has_tokens(mb), compute, lambda: (zero_grads, no_metrics))
+        return (jax.tree.map(jnp.add, grads_acc, grads), combine_metrics(metrics_acc, metrics)), None
+
+    (grads_sum, metrics), _ = jax.lax.scan(body, (zero_grads, no_metrics), batch)
     total = jnp.maximum(metrics["token_count"], 1.0)
     grads = jax.tree.map(lambda g, p: (g / total).astype(p.dtype), grads_sum, params)
     return metrics["loss_sum"] / total, grads, metrics
@@ -131,23 +194,33 @@ updated in place; their buffers are donated.
 
 @nnx.jit(static_argnames=("chunk_size",))
 def compute_logprobs(model, batch, chunk_size: int = 1024, temperature=1.0):
-    """Per-token log-probs and entropies of `batch` targets under `model` ([M, B, T] each)."""
+    """Per-token log-probs and entropies of `batch` targets under `model` ([M, B, T] each), with the
+    logits divided by `temperature` (the sampling temperature, as the sampler's log-probs are)."""
 
     def one(mb):
-        hidden = model.hidden_states(mb["input_ids"], mb["positions"], mb["segment_ids"])
-        return token_logprobs(hidden, model.unembedding(), mb["targets"], chunk_size=chunk_size,
-                              temperature=temperature, return_entropy=True)
+        def compute():
+            hidden = model.hidden_states(mb["input_ids"], mb["positions"], mb["segment_ids"])
+            return token_logprobs(hidden, model.unembedding(), mb["targets"], chunk_size=chunk_size,
+                                  temperature=temperature, return_entropy=True)
 
-    return jax.lax.map(one, {k: batch[k] for k in ("input_ids", "positions", "segment_ids", "targets")})
+        empty = jnp.zeros(mb["targets"].shape, jnp.float32)
+        return jax.lax.cond(_has_tokens(mb), compute, lambda: (empty, empty))
+
+    return jax.lax.map(one, {k: batch[k] for k in ("input_ids", "positions", "segment_ids", "targets", "loss_mask")})
 
 
-def shard_batch(batch: dict, mesh: jax.sharding.Mesh, batch_axes=("data", "fsdp")) -> dict:
-    """Places [M, B, T] arrays with rows split over the data-parallel mesh axes."""
-    if mesh.size == 1:
+def batch_sharding(mesh: jax.sharding.Mesh, batch_axes=("data", "fsdp")) -> jax.sharding.NamedSharding:
+    """[M, rows, T] training arrays: rows split over the data-parallel mesh axes (the "batch" rule)."""
+    axes = tuple(a for a in batch_axes if mesh.shape[a] > 1)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, axes or None, None))
+
+
+def place_batch(batch: dict, mesh: jax.sharding.Mesh | None = None) -> dict:
+    """Puts a host batch of [M, rows, T] arrays on the mesh, rows split over the data-parallel axes:
+    the placement the RL and SFT steps train with."""
+    if mesh is None or mesh.size == 1:
         # Measured on XLA:CPU: committed inputs (device_put, NamedSharding) made the same step 3-4x
         # slower than default-placed arrays; on one device they are equivalent.
         return {k: jnp.asarray(v) for k, v in batch.items()}
-    axes = tuple(a for a in batch_axes if mesh.shape[a] > 1)
-    spec = jax.sharding.PartitionSpec(None, axes or None, None)
-    sharding = jax.sharding.NamedSharding(mesh, spec)
+    sharding = batch_sharding(mesh)
     return {k: jax.device_put(v, sharding) for k, v in batch.items()}

@@ -1,10 +1,13 @@
-"""The GRPO-RoC RL loop (rStar2-Agent §1.2), composed from the project's pieces.
+"""One GRPO-RoC RL step (rStar2-Agent §1.2), composed from the project's pieces.
 
 Per step: prompts -> 2G trajectories each (async, multi-turn, tools in the sandbox) -> rewards ->
 RoC (drop all-equal groups, keep G) -> advantages over kept rollouts -> fixed-shape micro-batches
--> one jitted, sharded, donated update -> weight sync to the generator -> metrics -> checkpoint.
-A step in which every group was dropped makes no update (the spec's skipped step) but still
-advances the data stream and is logged.
+placed over the mesh's data-parallel axes -> one jitted, sharded, donated update -> weight sync to
+the generators. A step in which every group was dropped makes no update (the spec's skipped step).
+
+Log-probs are taken at the sampling temperature: the sampler's log-probs are log-softmax of the
+temperature-scaled logits, and the trainer's π_old and π_θ divide the logits by the same
+temperature (as verl does), so the ratio compares like with like.
 
 The trainer receives its tool executor and scorer from the caller (the launcher wires the sandbox
 client and the verifier), so the loop itself never runs untrusted code.
@@ -12,11 +15,9 @@ client and the verifier), so the loop itself never runs untrusted code.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import inspect
 import time
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,13 +27,15 @@ from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
 from rstar_jax.rl.loss import LossConfig, finalize_metrics
 from rstar_jax.rl.roc import RocConfig
-from rstar_jax.rollout.engine import JaxEngine
-from rstar_jax.rollout.loop import LoopConfig, run_trajectory
-from rstar_jax.rollout.orchestrator import Orchestrator
+from rstar_jax.rollout.loop import LoopConfig, Scorer, ToolExecutor
+from rstar_jax.rollout.orchestrator import Orchestrator, trajectory_runner
+from rstar_jax.rollout.protocol import Generator, Scheduler
+from rstar_jax.rollout.stats import rollout_stats
 from rstar_jax.rollout.trajectory import Trajectory
 from rstar_jax.train.metrics import flops_per_token, peak_flops_for, throughput
-from rstar_jax.train.rl_batch import BatchConfig, prepare_batch
-from rstar_jax.train.step import compute_logprobs, train_step
+from rstar_jax.train.rl_batch import BatchConfig, PreparedBatch, prepare_batch
+from rstar_jax.train.step import compute_logprobs, place_batch, train_step
+from rstar_jax.train.weight_sync import WeightSync
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,70 +48,87 @@ class RLSettings:
     chunk_size: int = 1024
     max_concurrency: int = 64
 
+    def __post_init__(self):
+        if self.rollouts_per_prompt < self.roc.group_size:
+            raise ValueError(f"RLSettings.rollouts_per_prompt ({self.rollouts_per_prompt}) must be >= RoC's "
+                             f"group_size ({self.roc.group_size})")
+        if not self.loop.temperature > 0:
+            raise ValueError(f"RLSettings: RL samples at a temperature > 0, got {self.loop.temperature}")
+
+    @classmethod
+    def from_config(cls, config, data_parallel: int = 1) -> "RLSettings":
+        return cls(rollouts_per_prompt=config.rollout.rollouts_per_prompt, loop=LoopConfig.from_config(config),
+                   roc=RocConfig.from_config(config), loss=LossConfig.from_config(config),
+                   batch=BatchConfig.from_config(config, data_parallel), chunk_size=config.rl.logprob_chunk_size,
+                   max_concurrency=config.rollout.max_concurrency)
+
 
 class RLTrainer:
-    """Runs GRPO-RoC steps with the in-process JaxEngine (or any Generator / Scheduler)."""
+    """GRPO-RoC steps of `model` with trajectories from a generator (or a scheduler over several;
+    neither when only `update` is used, with trajectories from elsewhere).
 
-    def __init__(self, model, optimizer, tokenizer: Tokenizer, settings: RLSettings, *, executor, scorer,
-                 engine: JaxEngine | None = None, scheduler=None, template: ChatTemplate | None = None,
-                 sync_weights: Callable[[Any], None] | None = None):
+    mesh: where the policy lives; batches are placed over its data-parallel axes (None: default
+    placement, one device). weight_sync: how updated weights reach the generators; it holds the
+    version they report.
+    """
+
+    def __init__(self, model, optimizer, tokenizer: Tokenizer, settings: RLSettings, *, executor: ToolExecutor,
+                 scorer: Scorer, weight_sync: WeightSync, generator: Generator | None = None,
+                 scheduler: Scheduler | None = None, template: ChatTemplate | None = None,
+                 mesh: jax.sharding.Mesh | None = None):
+        if generator is not None and scheduler is not None:
+            raise ValueError("RLTrainer takes a generator (one engine) or a scheduler (several), not both")
         self.model = model
         self.optimizer = optimizer
         self.tokenizer = tokenizer
         self.settings = settings
-        self.executor = executor
-        self.scorer = scorer
-        self.engine = engine
-        self.scheduler = scheduler
+        self.weight_sync = weight_sync
+        self.mesh = mesh
         self.template = template or ChatTemplate(tool_name=settings.loop.tool_name)
-        # The version generators report for the current weights: the 1-based step of the last update
-        # when steps are numbered (stable across resumes), else a count of updates.
-        self.weights_version = 0
-        # Default weight sync: the in-process engine swaps parameters in place.
-        self.sync_weights = sync_weights or (
-            lambda m: engine.update_weights(m, version=self.weights_version) if engine is not None else None)
-        self._next_group = 0
+        self._run_one = trajectory_runner(generator, tokenizer, executor, config=settings.loop, scorer=scorer,
+                                          template=self.template, scheduler=scheduler)
 
-    async def rollout(self, prompts: list[tuple[str, str]], *, first_group_id: int | None = None) -> list[Trajectory]:
-        """2G trajectories per prompt. Group ids continue from the previous call unless given (a
-        resumed run passes step * prompts_per_step, so seeded sampling repeats the same draws)."""
+    @property
+    def weights_version(self) -> int:
+        return self.weight_sync.version
+
+    async def sync_weights(self, version: int) -> float:
+        """Pushes the current policy to the generators as `version`; returns the seconds it took."""
+        t0 = time.perf_counter()
+        await self.weight_sync.push(self.model, version)
+        return time.perf_counter() - t0
+
+    async def rollout(self, prompts: list[tuple[str, str]], *, first_group_id: int = 0) -> list[Trajectory]:
+        """2G trajectories per prompt; group ids from `first_group_id` (seeded sampling derives each
+        trajectory's draws from its group id, so a resumed step repeats the same draws)."""
+        orchestrator = Orchestrator(self._run_one, max_concurrency=self.settings.max_concurrency)
+        return await orchestrator.collect(prompts, self.settings.rollouts_per_prompt, first_group_id=first_group_id)
+
+    def prepare(self, trajectories: list[Trajectory], *, step: int) -> PreparedBatch:
+        """RoC and advantages into fixed-shape micro-batches (host arrays). RoC's random choice is
+        seeded with (roc.seed, step): each step draws afresh and a resumed run draws as the
+        uninterrupted one did."""
         s = self.settings
-        if first_group_id is not None:
-            self._next_group = first_group_id
+        roc = dataclasses.replace(s.roc, seed=int(np.random.SeedSequence([s.roc.seed, step]).generate_state(1)[0]))
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        return prepare_batch(trajectories, roc, s.batch, decode=decode)
 
-        async def one(question, gold, group_id, index):
-            return await run_trajectory(self.engine, self.tokenizer, self.executor, question, gold, config=s.loop,
-                                        scorer=self.scorer, template=self.template, scheduler=self.scheduler,
-                                        group_id=group_id, sample_index=index)
-
-        orchestrator = Orchestrator(one, max_concurrency=s.max_concurrency)
-        trajectories = await orchestrator.collect(prompts, s.rollouts_per_prompt, first_group_id=self._next_group)
-        self._next_group += len(prompts)
-        return trajectories
-
-    def update(self, trajectories: list[Trajectory], *, step: int | None = None, sync: bool = True) -> dict:
-        """RoC, advantages, the jitted update and the weight sync; returns this step's metrics.
-
-        step: RoC's random choice is seeded with (roc.seed, step), so each step draws afresh and a
-        resumed run draws exactly as the uninterrupted one did."""
+    def update(self, trajectories: list[Trajectory], *, step: int) -> dict[str, Any]:
+        """RoC, advantages and the jitted update (no weight sync); returns this step's metrics."""
         s = self.settings
         t0 = time.perf_counter()
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-        roc = s.roc
-        if step is not None:
-            roc = dataclasses.replace(roc, seed=int(np.random.SeedSequence([roc.seed, step]).generate_state(1)[0]))
-        prepared = prepare_batch(trajectories, roc, s.batch, decode=decode)
+        prepared = self.prepare(trajectories, step=step)
         metrics: dict[str, Any] = dict(prepared.roc.stats())
         if prepared.skipped:
             metrics["update/skipped"] = 1
             return metrics
-        batch = {k: jnp.asarray(v) for k, v in prepared.batch.items()}
+        batch = place_batch(prepared.batch, self.mesh)
+        temperature = jnp.float32(s.loop.temperature)
         if not s.batch.use_sampler_logprobs:
             # π_old recomputed by the trainer (as verl does); sampler log-probs stay for the drift metric.
-            old, _ = compute_logprobs(self.model, batch, chunk_size=s.chunk_size)
+            old, _ = compute_logprobs(self.model, batch, chunk_size=s.chunk_size, temperature=temperature)
             batch["old_logprobs"] = jnp.where(batch["loss_mask"] > 0, old, 0.0)
-        out = train_step(self.model, self.optimizer, batch, s.loss, s.chunk_size, jnp.float32(1.0))
-        out = jax.device_get(out)
+        out = jax.device_get(train_step(self.model, self.optimizer, batch, s.loss, s.chunk_size, temperature))
         update_s = time.perf_counter() - t0
         tokens = int(np.count_nonzero(prepared.batch["segment_ids"]))
         # Training FLOPs of the real (unpadded) tokens at the mean packed sequence length; the
@@ -117,59 +137,32 @@ class RLTrainer:
         flops = flops_per_token(self.model.config, mean_length).flops_per_token
         if not s.batch.use_sampler_logprobs:
             flops *= 4.0 / 3.0
-        devices = jax.devices()
+        devices = list(self.mesh.devices.flat) if self.mesh is not None else jax.devices()[:1]
         metrics.update({f"update/{k}": v for k, v in throughput(
             tokens, update_s, flops, num_devices=len(devices),
             peak_flops_per_device=peak_flops_for(devices[0].device_kind)).items()})
-        metrics["update/tokens"] = tokens
         metrics.update(finalize_metrics(out))
-        metrics["update/loss"] = float(out["loss"])
-        metrics["update/grad_norm"] = float(out["grad_norm"])
-        metrics["update/skipped"] = 0
-        metrics["time/update_s"] = time.perf_counter() - t0
-        if sync:
-            t1 = time.perf_counter()
-            if inspect.isawaitable(result := self._sync(step=None)):
-                result.close()
-                raise TypeError("RLTrainer.update: sync_weights is async; use astep (or update(sync=False))")
-            metrics["time/weight_sync_s"] = time.perf_counter() - t1
+        metrics.update({"update/tokens": tokens, "update/loss": float(out["loss"]),
+                        "update/grad_norm": float(out["grad_norm"]), "update/skipped": 0,
+                        "time/update_s": time.perf_counter() - t0})
         return metrics
 
-    def _sync(self, *, step: int | None):
-        """Bumps the weights version and starts the sync; returns what sync_weights returned."""
-        self.weights_version = step + 1 if step is not None else self.weights_version + 1
-        return self.sync_weights(self.model)
-
-    def step(self, prompts: list[tuple[str, str]], *, step: int | None = None) -> tuple[dict, list[Trajectory]]:
-        return asyncio.run(self.astep(prompts, step=step))
-
-    async def astep(self, prompts: list[tuple[str, str]], *, step: int | None = None) -> tuple[dict, list[Trajectory]]:
-        """One RL step inside a running event loop (clients bound to the loop stay usable).
-
-        step (0-based): when given, group ids and RoC's draw derive from it, which makes a step
-        reproducible from its number alone (exact resume)."""
+    async def astep(self, prompts: list[tuple[str, str]], *, step: int) -> tuple[dict, list[Trajectory]]:
+        """One RL step (0-based `step`: group ids and RoC's draw derive from it, so a step is
+        reproducible from its number alone). Generators get the new weights, version step + 1,
+        before the next step samples (synchronous RL)."""
         t0 = time.perf_counter()
-        first_group = None if step is None else step * len(prompts)
-        trajectories = await self.rollout(prompts, first_group_id=first_group)
+        trajectories = await self.rollout(prompts, first_group_id=step * len(prompts))
         rollout_s = time.perf_counter() - t0
-        metrics = self.update(trajectories, step=step, sync=False)
+        metrics = self.update(trajectories, step=step)
         if not metrics["update/skipped"]:
-            # Generators get the new weights before the next step samples (synchronous RL).
-            t1 = time.perf_counter()
-            if inspect.isawaitable(result := self._sync(step=step)):
-                await result
-            metrics["time/weight_sync_s"] = time.perf_counter() - t1
-        rewards = np.asarray([t.reward for t in trajectories])
+            metrics["time/weight_sync_s"] = await self.sync_weights(step + 1)
+        stats = rollout_stats(trajectories)
         sandbox_s = float(sum(t.tool_seconds for t in trajectories))
+        metrics.update({f"rollout/{k}": v for k, v in stats.items()})
         metrics.update({
-            "rollout/reward_mean": float(rewards.mean()),
-            "rollout/truncated_ratio": float(np.mean([t.truncated for t in trajectories])),
-            "rollout/response_length_mean": float(np.mean([len(t.response_ids) for t in trajectories])),
-            "rollout/tool_calls_mean": float(np.mean([t.n_tool_calls for t in trajectories])),
-            # Turns the generators retracted under KV pressure and recomputed (SGLang's num_retractions).
-            "rollout/retractions": int(sum(t.n_retractions for t in trajectories)),
+            "rollout/sampled_tokens_per_s": stats["sampled_tokens"] / max(rollout_s, 1e-9),
             "time/rollout_s": rollout_s,
-            "rollout/sampled_tokens_per_s": sum(t.num_sampled_tokens for t in trajectories) / max(rollout_s, 1e-9),
             # Summed over trajectories: sandbox round trips overlap each other and generation.
             "time/sandbox_calls_s": sandbox_s,
             "time/sandbox_call_mean_s": sandbox_s / max(1, sum(t.n_tool_calls for t in trajectories)),

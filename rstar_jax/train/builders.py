@@ -1,0 +1,308 @@
+"""The composition root: the one place a config becomes live objects.
+
+Every command and stage gets its policy, mesh, engine, data, sandbox, generators and settings from
+here, so a config field is read in one place and the production path is the one the tests run:
+
+    model, mesh = build_policy(config)                 # HF checkpoint, orbax checkpoint or sharded init
+    engine = make_engine(config, model, mesh)          # always on the policy's mesh
+    with sandbox(config) as targets:                   # a local sandbox server, or the configured ones
+        async with rollout_resources(config, targets, engine=engine) as resources:
+            ...                                        # sandbox client, scorer, generators, scheduler
+
+The settings dataclasses read their own sections (`LoopConfig.from_config`, `RocConfig.from_config`,
+`LossConfig.from_config`, `OptimizerConfig.from_config`, `BatchConfig.from_config`,
+`RLSettings.from_config`); their errors name the config field.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import pathlib
+import types
+from collections.abc import AsyncIterator, Iterator, Sequence
+
+import jax
+from jax.sharding import Mesh
+
+from rstar_jax.agent.reward import make_scorer
+from rstar_jax.agent.template import ChatTemplate
+from rstar_jax.agent.tokenizer import Tokenizer, load_tokenizer
+from rstar_jax.agent.tool_calls import format_observation
+from rstar_jax.data.datasets import LoadReport, PromptIterator, load_examples
+from rstar_jax.data.synthetic import prepare_synthetic_data, write_held_out
+from rstar_jax.errors import ConfigError
+from rstar_jax.evaluation.questions import Question, load_questions
+from rstar_jax.model.hf import load_pretrained, save_pretrained
+from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
+from rstar_jax.parallel import MESH_AXES, create_sharded_model, make_mesh
+from rstar_jax.rollout.engine import JaxEngine
+from rstar_jax.rollout.local_server import LocalServer
+from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler
+from rstar_jax.rollout.sglang import SGLangGenerator
+from rstar_jax.train.checkpoint import Checkpointer, CheckpointError, PolicySource, stored_config
+from rstar_jax.train.metrics import MetricsWriter
+from rstar_jax.train.rl_batch import row_length_for
+from rstar_jax.train.sft import SftBatches, sft_sequences
+from rstar_jax.train.weight_sync import DiskSync, EngineSync, WeightSync
+from sandbox_service.client import SandboxClient
+from sandbox_service.launcher import LocalSandbox
+
+# Prompt-length buckets the engine compiles prefill for (plus its context length).
+PREFILL_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+# -- policy and mesh -------------------------------------------------------------------------------
+
+def mesh_rules(config) -> tuple:
+    """`config.mesh.rules` as hashable (logical name, mesh axes) pairs."""
+    return tuple((name, tuple(axes) if isinstance(axes, (list, tuple)) else axes) for name, axes in config.mesh.rules)
+
+
+def check_mesh(config, device_count: int) -> tuple[int, int, int]:
+    """Resolves -1 and checks the mesh product against the device count (known only at run time)."""
+    sizes = [config.mesh[a] for a in MESH_AXES]
+    fixed = 1
+    for s in sizes:
+        fixed *= s if s != -1 else 1
+    if -1 in sizes:
+        if device_count % fixed:
+            raise ConfigError(f"config.mesh: {device_count} devices are not divisible by the fixed axes' "
+                              f"product {fixed}")
+        sizes[sizes.index(-1)] = device_count // fixed
+    product = sizes[0] * sizes[1] * sizes[2]
+    if product != device_count:
+        raise ConfigError(f"config.mesh: data*fsdp*tensor = {product} but {device_count} devices are available")
+    return tuple(sizes)
+
+
+def build_mesh(config) -> Mesh:
+    return make_mesh(*check_mesh(config, jax.device_count()))
+
+
+def data_parallel(mesh: Mesh | None) -> int:
+    """Ways the batch is split: the data-parallel axes of the "batch" rule (data x fsdp)."""
+    return 1 if mesh is None else int(mesh.shape["data"] * mesh.shape["fsdp"])
+
+
+def build_policy(config, source: PolicySource | None = None) -> tuple[Qwen3, Mesh]:
+    """The policy on the config's mesh: an orbax checkpoint (`source`), else `model.hf_path`, else a
+    sharded random init. A checkpoint's model shape comes from the config it stores."""
+    mesh = build_mesh(config)
+    rules = mesh_rules(config)
+    if source is not None and source.kind == "servers":
+        raise ConfigError(f"config.{source.field}: the policy lives on the servers; there is nothing to load here")
+    if source is not None and source.kind == "checkpoint":
+        model = create_sharded_model(Qwen3Config.from_config(config, stored_config(source.path, source.step)), mesh, rules,
+                                     seed=config.seed)
+        with Checkpointer(source.path, async_save=False) as ckpt:
+            try:
+                ckpt.restore(source.step, model=model)
+            except CheckpointError as e:
+                raise ConfigError(f"config.{source.field}: {e}") from None
+        return model, mesh
+    hf_path = source.path if source is not None else config.model.hf_path
+    if hf_path:
+        return load_pretrained(hf_path, mesh=mesh, rules=rules, dtype=config.model.dtype,
+                               param_dtype=config.model.param_dtype), mesh
+    return create_sharded_model(Qwen3Config.from_config(config), mesh, rules, seed=config.seed), mesh
+
+
+def serving_policy(model: str, *, tp_size: int = 1, seed: int = 0):
+    """`python -m rstar_jax.serve`'s policy: an HF directory, or a preset with random weights, on a
+    mesh of `tp_size` devices along "tensor". Returns (model, mesh, eos token ids, load_weights)."""
+    devices = jax.devices()
+    if not 1 <= tp_size <= len(devices):
+        raise ConfigError(f"--tp-size {tp_size}: this host has {len(devices)} device(s)")
+    mesh = make_mesh(data=1, fsdp=1, tensor=tp_size, devices=devices[:tp_size])
+    eos: tuple[int, ...] = ()
+    if os.path.isdir(model):
+        qwen = load_pretrained(model, mesh=mesh)
+        generation_config = pathlib.Path(model) / "generation_config.json"
+        if generation_config.exists():
+            value = json.loads(generation_config.read_text()).get("eos_token_id")
+            eos = tuple(value) if isinstance(value, list) else (() if value is None else (int(value),))
+    else:
+        try:
+            qwen = create_sharded_model(Qwen3Config.preset(model), mesh, seed=seed)
+        except ValueError as e:
+            raise ConfigError(f"--model {model!r} is neither a checkpoint directory nor a preset: {e}") from None
+    return qwen, mesh, eos, lambda path: load_pretrained(path, mesh=mesh)
+
+
+def engine_for(model: Qwen3, mesh: Mesh | None, *, slots: int, max_length: int, max_total_tokens: int | None = None,
+               page_size: int = 16, seed: int = 0) -> JaxEngine:
+    """The one JaxEngine construction: on the policy's mesh, prefill compiled per prompt bucket."""
+    if max_total_tokens is not None:
+        max_total_tokens = max(max_total_tokens, max_length)  # one request always fits
+    buckets = tuple(b for b in PREFILL_BUCKETS if b < max_length)
+    return JaxEngine(model, slots=slots, max_length=max_length, max_total_tokens=max_total_tokens,
+                     page_size=page_size, prefill_buckets=buckets, seed=seed, mesh=mesh)
+
+
+def make_engine(config, model: Qwen3, mesh: Mesh | None, *, max_length: int | None = None) -> JaxEngine:
+    """`config.rollout.engine`'s engine (context `max_length` when given, e.g. an evaluation's budget)."""
+    e = config.rollout.engine
+    return engine_for(model, mesh, slots=e.slots, max_length=max_length or e.max_length,
+                      max_total_tokens=e.max_total_tokens or None, page_size=e.page_size, seed=config.seed)
+
+
+# -- protocol and data -----------------------------------------------------------------------------
+
+def tokenizer(config) -> Tokenizer:
+    return load_tokenizer(config.tokenizer.kind, config.tokenizer.path or config.model.hf_path or None)
+
+
+def template(config) -> ChatTemplate:
+    return ChatTemplate.from_style(config.rollout.template, config.rollout.tool_name)
+
+
+def _synthetic(config) -> tuple[pathlib.Path, dict]:
+    s = config.data.synthetic
+    return pathlib.Path(config.run_dir) / "data", dict(num_eval=s.num_eval, seed=s.seed, kinds=tuple(s.kinds),
+                                                        difficulty=s.difficulty)
+
+
+def prepare_data(config) -> tuple[tuple[str, ...], str | None]:
+    """(RL problem files, SFT conversations file): generated into `<run_dir>/data` for a synthetic
+    config (SFT observations rendered as the rollout loop renders a successful call), else the
+    configured files."""
+    if not config.data.synthetic.enabled:
+        sft = config.sft.train_files
+        return tuple(config.data.train_files), (sft[0] if sft else None)
+    r = config.rollout
+
+    def observation(stdout: str) -> str:
+        ok = types.SimpleNamespace(status="ok", stdout=stdout, stderr="", duration_s=0.0)
+        return format_observation(ok, style=r.observation_style, max_chars=r.observation_max_chars)
+
+    out, kw = _synthetic(config)
+    files = prepare_synthetic_data(out, num_train=config.data.synthetic.num_train, tool_name=r.tool_name,
+                                   format_observation=observation, **kw)
+    return (str(files.train),), str(files.sft)
+
+
+def held_out_files(config, *, files: Sequence[str] = (), field: str = "data.eval_files") -> tuple[str, ...]:
+    """Evaluation problems: `files` when given, else the synthetic held-out set (written into the run
+    directory; the same draw as the training run's)."""
+    if files:
+        return tuple(files)
+    if not config.data.synthetic.enabled:
+        raise ConfigError(f"config.{field}: evaluation needs at least one file")
+    out, kw = _synthetic(config)
+    return (str(write_held_out(out, **kw)),)
+
+
+def questions(config, files: Sequence[str], *, field: str) -> tuple[list[Question], LoadReport]:
+    d = config.data
+    return load_questions(files, fmt=d.format, question_key=d.question_key, answer_key=d.answer_key,
+                          on_bad_row=d.on_bad_row, field=field)
+
+
+def prompt_iterator(config, files: Sequence[str]) -> tuple[PromptIterator, LoadReport]:
+    """The RL prompt stream of `config.data` over `files`."""
+    d = config.data
+    examples, report = load_examples(tuple(files), fmt=d.format, question_key=d.question_key,
+                                     answer_key=d.answer_key, on_bad_row=d.on_bad_row)
+    return PromptIterator(examples, d.num_prompts_per_step, seed=d.shuffle_seed), report
+
+
+def sft_batches(config, tokenizer: Tokenizer, template: ChatTemplate, conversations: Sequence,
+                mesh: Mesh | None) -> SftBatches:
+    """`sft.micro_batch_tokens` per data-parallel shard: each micro-batch holds that many rows on
+    every shard; one conversation per row at most."""
+    c = config.sft
+    sequences = sft_sequences(template, tokenizer, conversations, c.max_length)
+    row_length = row_length_for(c.max_length, 1)
+    per_shard = max(1, c.micro_batch_tokens // row_length)  # one row of sft.max_length at least
+    return SftBatches(sequences, conversations_per_step=min(c.batch_size, len(sequences)),
+                      rows=data_parallel(mesh) * per_shard, row_length=row_length, seed=config.seed)
+
+
+def metrics_writer(config) -> MetricsWriter:
+    return MetricsWriter(config.run_dir, tensorboard=config.metrics.tensorboard, jsonl=config.metrics.jsonl)
+
+
+def checkpointer(config, model: Qwen3) -> Checkpointer:
+    """`<run_dir>/checkpoints`; HF exports (the live model) to `<run_dir>/hf/step_N`."""
+    run_dir, c = pathlib.Path(config.run_dir), config.checkpoint
+    return Checkpointer(run_dir / "checkpoints", max_to_keep=c.max_to_keep, async_save=c.async_save,
+                        save_every=c.every_steps, export_hf=lambda _, path: save_pretrained(model, path),
+                        export_every=c.export_hf_every, export_dir=run_dir / "hf")
+
+
+# -- sandbox, generators and the rollout loop's resources -------------------------------------------
+
+@contextlib.contextmanager
+def sandbox(config) -> Iterator[list[str]]:
+    """The sandbox targets for the run: a local server started here and stopped on exit
+    (`sandbox.launch_local`), else `sandbox.targets`."""
+    s = config.sandbox
+    if not s.launch_local:
+        yield list(s.targets)
+        return
+    with LocalSandbox(workers=s.workers, memory_mb=s.memory_mb, timeout_s=s.timeout_s,
+                      verify_timeout_s=s.verify_timeout_s) as local:
+        yield [local.target]
+
+
+@contextlib.contextmanager
+def local_servers(config, model: Qwen3) -> Iterator[list[str]]:
+    """`rollout.local_servers` `python -m rstar_jax.serve` processes started from `model` (exported to
+    `<run_dir>/weights_sync`), stopped on exit; else the configured `rollout.servers`."""
+    r = config.rollout
+    if not r.local_servers:
+        yield list(r.servers)
+        return
+    initial = save_pretrained(model, pathlib.Path(config.run_dir) / "weights_sync")
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(LocalServer(
+            str(initial), slots=r.engine.slots, max_length=r.engine.max_length,
+            max_total_tokens=r.engine.max_total_tokens or None, page_size=r.engine.page_size, seed=config.seed)).url
+            for _ in range(r.local_servers)]
+
+
+@dataclasses.dataclass
+class RolloutResources:
+    """What the rollout loop runs against; `rollout_resources` opens and closes it."""
+
+    client: SandboxClient  # executes tool calls
+    scorer: object  # async (text, gold, truncated=...) -> reward
+    engine: JaxEngine | None = None  # the in-process generator, or
+    generators: list[SGLangGenerator] = dataclasses.field(default_factory=list)  # servers, placed by
+    scheduler: object = None  # the KV-aware (or round-robin) scheduler
+
+
+@contextlib.asynccontextmanager
+async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine | None = None,
+                            urls: Sequence[str] = ()) -> AsyncIterator[RolloutResources]:
+    """The sandbox client (limits from `config.sandbox`), the scorer (`sandbox.verify_via`, one
+    timeout `sandbox.verify_timeout_s`) and the generators: `engine`, or SGLang clients for `urls`
+    behind `rollout.scheduler`. Everything belongs to the running event loop and is closed on exit."""
+    s = config.sandbox
+    client = SandboxClient(list(targets), timeout_s=s.timeout_s, memory_mb=s.memory_mb)
+    scorer = make_scorer(s.verify_via, timeout_s=s.verify_timeout_s, sandbox_client=client)
+    resources = RolloutResources(client=client, scorer=scorer, engine=engine)
+    try:
+        if engine is None:
+            if not urls:
+                raise ConfigError("config.rollout.servers: no generator: the sglang backend needs server URLs "
+                                  "(or rollout.local_servers > 0)")
+            resources.generators = [SGLangGenerator(url) for url in urls]
+            kind = KvScheduler if config.rollout.scheduler == "kv" else RoundRobinScheduler
+            resources.scheduler = kind(resources.generators)
+        yield resources
+    finally:
+        scorer.close()
+        await client.close()
+        for generator in resources.generators:
+            await generator.close()
+
+
+def weight_sync(config, resources: RolloutResources) -> WeightSync:
+    """In-place swap for the in-process engine; HF export + `/update_weights_from_disk` for servers."""
+    if resources.engine is not None:
+        return EngineSync(resources.engine)
+    return DiskSync(resources.generators, pathlib.Path(config.run_dir) / "weights_sync", mode="wait")

@@ -1,0 +1,152 @@
+"""The package's import graph points one way (DESIGN.md), deferred imports included.
+
+Every `import` in every module under rstar_jax/ and sandbox_service/ is read from the source (also
+those inside functions), mapped to the package it reaches, and checked against what DESIGN allows:
+`rl/` and `model/` import no other layer, the model does not import `parallel/`, `agent/` knows no
+engine, `rollout/` no optimizer or checkpoint format (`model.hf`), `evaluation/` is a library that
+`train/` composes, nothing below the commands imports a command, and `sandbox_service` stands alone.
+"""
+
+import ast
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+COMMANDS = {"launch", "evaluate", "serve", "filter_hard"}  # and `python -m rstar_jax.config`
+LIBRARY = {"model", "parallel", "rl", "agent", "data", "rollout", "evaluation", "train", "analysis"}
+# What each node may import (besides itself). "rstar_jax" is the root package (its version string).
+ALLOWED = {
+    "errors": set(),
+    "rstar_jax": set(),
+    "model": {"errors"},
+    "parallel": {"errors", "model"},
+    "rl": {"errors"},
+    "agent": {"errors", "sandbox_service"},
+    "data": {"errors", "agent"},
+    "rollout": {"errors", "rstar_jax", "agent", "model", "rl"},
+    "evaluation": {"errors", "agent", "data", "rollout"},
+    "train": {"errors", "sandbox_service"} | LIBRARY - {"train", "analysis"},
+    "analysis": {"errors"} | LIBRARY - {"analysis"},
+    "config": {"errors"} | LIBRARY - {"analysis"},
+    "cli": {"errors", "config"},
+    "sandbox_service": set(),
+    **{command: {"errors", "rstar_jax", "cli", "config"} | LIBRARY for command in COMMANDS},
+}
+ALLOWED["config.__main__"] = ALLOWED["launch"]
+FORBIDDEN_MODULES = {"rollout": {"rstar_jax.model.hf"}}
+
+
+SUBMODULES = {p.stem for p in (ROOT / "rstar_jax").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}
+
+
+def _node(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] == "sandbox_service":
+        return "sandbox_service"
+    if parts[0] != "rstar_jax":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in SUBMODULES else "rstar_jax"
+
+
+def _source_node(path: pathlib.Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    node = _node(".".join(parts))
+    if parts[0] == "rstar_jax" and parts[-1] == "__main__":
+        return f"{node}.__main__"  # `python -m rstar_jax.<package>`: a command over its package
+    return node
+
+
+def _imports(path: pathlib.Path, package: str | None = None):
+    """(line, imported module) for every import in the file, at any depth."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    if package is None:
+        package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join(anchor + ([base] if base else []))
+            yield node.lineno, base
+            for alias in node.names:  # `from rstar_jax import model` names a subpackage
+                if base in ("rstar_jax", "sandbox_service"):
+                    yield node.lineno, f"{base}.{alias.name}"
+
+
+def _graph():
+    edges: dict[tuple[str, str], list[str]] = {}
+    modules: list[tuple[str, str, str]] = []
+    for top in ("rstar_jax", "sandbox_service"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            source = _source_node(path)
+            for line, module in _imports(path):
+                target = _node(module)
+                if target is None or target == source or (module == "rstar_jax" and target == "rstar_jax"):
+                    continue
+                where = f"{path.relative_to(ROOT)}:{line} imports {module}"
+                edges.setdefault((source, target), []).append(where)
+                modules.append((source, module, where))
+    return edges, modules
+
+
+def test_imports_follow_the_allowed_directions():
+    edges, modules = _graph()
+    assert edges, "no imports found: the test reads the wrong tree"
+    bad = [f"{source} -> {target}: {wheres[0]}" for (source, target), wheres in sorted(edges.items())
+           if target not in ALLOWED.get(source, set())]
+    bad += [f"{source} -> {module}: {where}" for source, module, where in modules
+            if any(module == f or module.startswith(f + ".") for f in FORBIDDEN_MODULES.get(source, ()))]
+    assert not bad, "imports against DESIGN's direction:\n" + "\n".join(bad)
+
+
+def test_the_package_graph_has_no_cycle():
+    edges, _ = _graph()
+    graph: dict[str, set[str]] = {}
+    for source, target in edges:
+        graph.setdefault(source, set()).add(target)
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(node: str) -> None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycle = path[path.index(nxt):] + [nxt]
+                pytest.fail("import cycle: " + " -> ".join(cycle) + "\n" + "\n".join(
+                    edges[(a, b)][0] for a, b in zip(cycle, cycle[1:])))
+            if nxt not in state:
+                visit(nxt)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+
+
+def test_the_checker_sees_deferred_and_relative_imports(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("import os\n\ndef f():\n    from rstar_jax.train import builders\n"
+                      "    import sandbox_service.client\n    from . import loop\n    from rstar_jax import serve\n")
+    found = [module for _, module in _imports(source, package="rstar_jax.rollout")]
+    assert found == ["os", "rstar_jax.train", "sandbox_service.client", "rstar_jax.rollout", "rstar_jax",
+                     "rstar_jax.serve"]
+    assert [_node(m) for m in found] == [None, "train", "sandbox_service", "rollout", "rstar_jax", "serve"]
+
+
+@pytest.mark.parametrize("command", ["launch", "evaluate", "serve", "filter_hard", "config/__main__"])
+def test_commands_are_thin_entry_points(command):
+    """A command parses, validates and calls the library; the work lives in the packages."""
+    source = (ROOT / "rstar_jax" / f"{command}.py").read_text()
+    assert len(source.splitlines()) <= 80
+    tree = ast.parse(source)
+    functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    assert len(functions) <= 3 and not any(isinstance(n, ast.ClassDef) for n in tree.body)
