@@ -64,6 +64,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.synthetic.enabled = False  # generate tool-use problems into run_dir instead of train_files
     c.data.synthetic.num_train = 2048
     c.data.synthetic.num_eval = 64
+    # Solved SFT conversations, stage after stage: (conversations, weights of their behaviours), the
+    # behaviours (rstar_jax.data.synthetic.BEHAVIOURS) being an answer without the tool, one correct
+    # call, a failing call then the fix; 0 conversations = num_train.
+    c.data.synthetic.sft_stages = ((0, (0.0, 1.0, 0.0)),)
     c.data.synthetic.seed = 0
     c.data.synthetic.kinds = ()  # () = every generator in rstar_jax.data.synthetic.GENERATORS
     c.data.synthetic.difficulty = 1  # 1 (tiny runs) .. 3 (answers far beyond mental arithmetic)
@@ -83,6 +87,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.response_budget = 8192  # spec §5.3: 8K stage 1; model and tool tokens share it
     c.rollout.max_prompt_length = 2048  # spec §5.3: CODE run script
     c.rollout.tool_name = "python_code_with_standard_io"  # spec §2.2: the release's tool name
+    # False: the ablation without the tool (paper Fig. 9's "no tool"): the prompt leaves it out and
+    # tool calls are never executed.
+    c.rollout.tools = True
     # "rstar2": the release's system prompt, tools block and user prefix character for character
     # (spec §2.1-2.2); "compact": the same tags and tool-call format in a ~190-character prompt.
     c.rollout.template = "rstar2"
@@ -121,7 +128,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-6  # spec §5.3: constant lr 1e-6 after a 20-step linear warm-up
     c.optim.warmup_steps = 20
-    c.optim.schedule = "constant"  # "constant" | "cosine"
+    c.optim.schedule = "constant"  # "constant" | "cosine" | "wsd" (constant, then a cosine decay at the end)
+    c.optim.decay_ratio = 0.1  # "wsd": the fraction of the steps over which the rate decays
     c.optim.b1 = 0.9  # spec §5.3: AdamW betas (0.9, 0.999), verl defaults
     c.optim.b2 = 0.999
     c.optim.weight_decay = 0.01  # spec §5.3: verl default
@@ -138,11 +146,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.init_from = ""  # checkpoint directory of the previous stage ("" = model.hf_path / init)
 
     c.sft = ml_collections.ConfigDict()
-    c.sft.train_files = ()  # conversations (jsonl of {"messages": [...]}); synthetic when enabled
+    c.sft.train_files = ()  # conversations (jsonl of {"messages": [...]}), trained file after file; synthetic when enabled
     c.sft.epochs = 3  # spec §5.1: 3 epochs, lr 5e-6, 4% warm-up, cosine decay, batch 128
     c.sft.lr = 5e-6
     c.sft.warmup_ratio = 0.04
-    c.sft.schedule = "cosine"
+    c.sft.schedule = "cosine"  # "constant" | "cosine" | "wsd" (constant, then a cosine decay at the end)
+    c.sft.decay_ratio = 0.1  # "wsd": the fraction of the steps over which the rate decays
     c.sft.batch_size = 128
     c.sft.max_length = 8192  # spec §5.1: not given in the paper; our choice
     c.sft.pack = True

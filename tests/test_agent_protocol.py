@@ -6,7 +6,7 @@ import time
 import pytest
 
 from rstar_jax.agent.reward import VerifierPool, extract_answer, is_equivalent, score
-from rstar_jax.agent.template import GENERATION_PROMPT, ChatTemplate
+from rstar_jax.agent.template import GENERATION_PROMPT, SYSTEM_PROMPT, ChatTemplate
 from rstar_jax.agent.tokenizer import IM_END, IM_START, ByteTokenizer, HFTokenizer
 from rstar_jax.agent.tool_calls import ToolCall, ToolCallError, format_observation, parse_tool_calls, truncate_middle
 
@@ -222,3 +222,13 @@ def test_sandbox_scorer_and_make_scorer():
         make_scorer("sandbox")
     with pytest.raises(ValueError, match="mode"):
         make_scorer("remote")
+
+
+def test_template_styles_without_the_tool_and_without_a_system_turn():
+    tok = ByteTokenizer()
+    compact, plain = ChatTemplate.from_style("compact", "python"), ChatTemplate.from_style("compact", "python", tools=False)
+    assert "python" in compact.system_text() and "tool" not in plain.system_text()
+    assert ChatTemplate.from_style("rstar2", tools=False).system_text() == f"{IM_START}system\n{SYSTEM_PROMPT}{IM_END}\n"
+    bare = ChatTemplate.from_style("bare", "python")
+    assert bare.render_prompt("What is 2?") == f"{IM_START}user\nWhat is 2?{IM_END}\n{GENERATION_PROMPT}"
+    assert bare.prompt_ids(tok, "What is 2?") == tok.encode(bare.render_prompt("What is 2?"))

@@ -15,7 +15,9 @@ from rstar_jax.data import (
     GENERATORS,
     DataError,
     PromptIterator,
+    behaviours_for,
     generate_problems,
+    held_out_problems,
     load_examples,
     read_conversations,
     read_examples,
@@ -49,6 +51,8 @@ def _independent_answer(problem):
         return int(sum(sympy.Integer(i) ** power for i in range(1, n + 1)) % m)
     if problem.kind == "last_digit_power":
         return int(sympy.Integer(nums[0]) ** nums[1] % 10)
+    if problem.kind == "product":
+        return int(sympy.Integer(nums[0]) * nums[1])
     raise AssertionError(problem.kind)
 
 
@@ -76,11 +80,20 @@ def test_synthetic_is_seeded_and_validated():
         generate_problems(1, kinds=["nope"])
     with pytest.raises(ValueError, match="difficulty"):
         generate_problems(1, difficulty=4)
+    # Held-out questions are never drawn for training, even where the kind's space is small (the
+    # tiny run's products: 68 x 68 questions, 3400 SFT draws).
+    held_out = {p.question for p in held_out_problems(num_eval=128, seed=0, kinds=("product",))}
+    sft = generate_problems(3400, seed=2, kinds=("product",), exclude=held_out)
+    assert len(held_out) > 120 and not held_out & {p.question for p in sft}
+    assert held_out & {p.question for p in generate_problems(3400, seed=2, kinds=("product",))}
+    everything = {p.question for p in generate_problems(20000, seed=0, kinds=("product",))}
+    with pytest.raises(ValueError, match="1000 draws of product at difficulty 1 were all excluded"):
+        generate_problems(1, kinds=("product",), exclude=everything)
 
 
 def test_sft_conversation_has_a_tool_call_real_output_and_boxed_answer():
     problem = generate_problems(1, seed=5, kinds=["primes_in_range"])[0]
-    messages = sft_conversation(problem, tool_name="python", format_observation=lambda out: f"stdout: {out}")
+    messages = sft_conversation(problem, tool_name="python", format_observation=lambda r: f"stdout: {r.stdout}")
     assert [m["role"] for m in messages] == ["user", "assistant", "tool", "assistant"]
     assert messages[0]["content"] == problem.question
     call = re.search(r"<tool_call>\n(.*)\n</tool_call>$", messages[1]["content"], re.S)
@@ -89,6 +102,27 @@ def test_sft_conversation_has_a_tool_call_real_output_and_boxed_answer():
     assert messages[2]["content"] == f"stdout: {problem.answer}\n"
     assert messages[3]["content"].endswith(f"</reason>\n<answer>\\boxed{{{problem.answer}}}</answer>")
     assert "<reason>" not in messages[1]["content"]  # the template forces it
+
+
+def test_sft_behaviours_answer_directly_or_fix_a_failing_call():
+    problem = generate_problems(1, seed=5, kinds=["product"])[0]
+    assert re.fullmatch(r"What is \((\d\d) \* (\d\d)\)\?", problem.question)  # the call's own "(" anchors the copy
+    direct = sft_conversation(problem, behaviour="direct")
+    estimate = round(problem.answer, -3)
+    assert [m["role"] for m in direct] == ["user", "assistant"]
+    assert direct[1]["content"] == f"</reason>\n<answer>\\boxed{{{estimate}}}</answer>"
+    fix = sft_conversation(problem, tool_name="python", behaviour="fix",
+                           format_observation=lambda r: f"{r.status}: {r.stdout or r.stderr}")
+    assert [m["role"] for m in fix] == ["user", "assistant", "tool", "assistant", "tool", "assistant"]
+    codes = [json.loads(re.search(r"<tool_call>\n(.*)\n</tool_call>", m["content"], re.S).group(1))["arguments"]["code"]
+             for m in (fix[1], fix[3])]
+    assert codes == [problem.solution[:-1], problem.solution]
+    assert fix[2]["content"].startswith("runtime_error:") and "SyntaxError" in fix[2]["content"]
+    assert fix[4]["content"] == f"ok: {problem.answer}\n"
+    with pytest.raises(ValueError, match="behaviour must be one of"):
+        sft_conversation(problem, behaviour="guess")
+    drawn = behaviours_for(1000, (0.5, 0.3, 0.2), seed=0)
+    assert abs(drawn.count("direct") / 1000 - 0.5) < 0.05 and drawn == behaviours_for(1000, (0.5, 0.3, 0.2), seed=0)
 
 
 def test_sft_file_round_trip_and_bad_conversations(tmp_path):
@@ -234,13 +268,16 @@ def test_prepare_synthetic_data_from_the_tiny_config(tmp_path):
     config = load_config_file(REPO_CONFIGS / "tiny.py")
     config.update_from_flattened_dict({"run_dir": str(tmp_path / "run"), "data.synthetic.num_train": 12,
                                        "data.synthetic.num_eval": 4})
-    (train_file,), sft_file = builders.prepare_data(config)
+    config.data.synthetic.sft_stages = ((8, (0.0, 1.0, 0.0)), (6, (0.4, 0.3, 0.3)))
+    (train_file,), sft_files = builders.prepare_data(config)
     train, _ = read_examples(train_file)
     (eval_file,) = builders.held_out_files(config)
     held_out, _ = read_examples(eval_file)
-    conversations = read_conversations(sft_file)
-    assert (len(train), len(held_out), len(conversations)) == (12, 4, 12)
+    stages = [read_conversations(f) for f in sft_files]
+    assert (len(train), len(held_out), [len(s) for s in stages]) == (12, 4, [8, 6])
     assert not {e.question for e in held_out} & {e.question for e in train}
-    assert config.rollout.tool_name in conversations[0][1]["content"]
+    sft_questions = {c[0]["content"] for s in stages for c in s}
+    assert not sft_questions & {e.question for e in held_out}
+    assert config.rollout.tool_name in stages[0][0][1]["content"]
     first = pathlib.Path(train_file).read_bytes()
     assert pathlib.Path(builders.prepare_data(config)[0][0]).read_bytes() == first  # deterministic on resume

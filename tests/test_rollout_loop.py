@@ -292,3 +292,16 @@ def test_two_calls_in_one_turn_and_an_aborted_generation():
     traj = asyncio.run(run_trajectory(Aborting({"Q": [answer]}), TOK, FakeExecutor(), "Q", "42",
                                       config=LoopConfig(), scorer=exact_scorer))
     assert traj.finish_reason == STOP_ABORTED and traj.reward == 0.0
+
+
+def test_without_tools_a_call_is_never_executed():
+    """rollout.tools=False (the no-tool ablation): the first turn is the last; its call goes nowhere."""
+    turns = [call("print(42)") + IM_END, "</reason><answer>\\boxed{42}</answer>" + IM_END]
+    executor = FakeExecutor()
+    traj = asyncio.run(run_trajectory(ScriptedGenerator({"Q": turns}), TOK, executor, "Q", "42",
+                                      config=LoopConfig(use_tools=False), scorer=exact_scorer))
+    assert (traj.n_turns, traj.n_tool_calls, traj.finish_reason, traj.reward) == (1, 0, STOP_MAX_TURNS, 0.0)
+    assert executor.calls == []
+    answered = asyncio.run(run_trajectory(ScriptedGenerator({"Q": turns[1:]}), TOK, executor, "Q", "42",
+                                          config=LoopConfig(use_tools=False), scorer=exact_scorer))
+    assert answered.reward == 1.0 and answered.finish_reason == STOP_NO_TOOL_CALL

@@ -129,3 +129,24 @@ def test_step_learns_and_ratio_is_one_on_policy(model):
     for _ in range(3):
         losses.append(float(train_step(m, opt, jb, LOSS, 8, 1.0)["loss"]))
     assert losses[-1] < losses[0]
+
+
+def test_lr_schedules_by_hand():
+    """Linear warm-up, then constant, cosine over the rest, or constant until the last decay_ratio of
+    the steps and a cosine from there ("wsd")."""
+    import math
+
+    from rstar_jax.train.step import lr_schedule
+
+    cosine = lr_schedule(OptimizerConfig(lr=1.0, warmup_steps=10, schedule="cosine", total_steps=110))
+    wsd = lr_schedule(OptimizerConfig(lr=1.0, warmup_steps=10, schedule="wsd", total_steps=110, decay_ratio=0.2))
+    constant = lr_schedule(OptimizerConfig(lr=1.0, warmup_steps=10))
+    for step in (0, 5, 10):
+        assert float(cosine(step)) == float(wsd(step)) == float(constant(step)) == pytest.approx(step / 10)
+    for step in (10, 40, 60, 88, 110):
+        assert float(cosine(step)) == pytest.approx(0.5 * (1 + math.cos(math.pi * (step - 10) / 100)), abs=1e-6)
+        expected = 1.0 if step <= 88 else 0.5 * (1 + math.cos(math.pi * (step - 88) / 22))
+        assert float(wsd(step)) == pytest.approx(expected, abs=1e-6), step
+        assert float(constant(step)) == 1.0
+    with pytest.raises(ValueError, match="decay_ratio must be in"):
+        OptimizerConfig(schedule="wsd", total_steps=100, decay_ratio=0.0)

@@ -81,8 +81,9 @@ COMPACT_SYSTEM_PROMPT = (
     "Think in <reason> </reason>, then give <answer> \\boxed{{}} </answer>. To run Python, write "
     '<tool_call>\n{{"name": "{tool}", "arguments": {{"code": "...", "input": ""}}}}\n</tool_call>'
 )
+COMPACT_NO_TOOL_PROMPT = "Think in <reason> </reason>, then give <answer> \\boxed{} </answer>."
 
-TEMPLATE_STYLES = ("rstar2", "compact")
+TEMPLATE_STYLES = ("rstar2", "compact", "bare")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,11 +101,21 @@ class ChatTemplate:
                    tools_block=False, user_prefix="")
 
     @classmethod
-    def from_style(cls, style: str, tool_name: str = DEFAULT_TOOL_NAME) -> "ChatTemplate":
+    def bare(cls, tool_name: str = DEFAULT_TOOL_NAME) -> "ChatTemplate":
+        """No system turn at all: the user's question, then the forced `<reason>`. For tiny models
+        that learn the protocol from SFT alone, every prompt token saved is compute saved."""
+        return cls(tool_name=tool_name, system_prompt="", tools_block=False, user_prefix="")
+
+    @classmethod
+    def from_style(cls, style: str, tool_name: str = DEFAULT_TOOL_NAME, *, tools: bool = True) -> "ChatTemplate":
+        """The named style; `tools=False` leaves the tool out of the prompt (the no-tool ablation)."""
         if style == "rstar2":
-            return cls(tool_name=tool_name)
+            return cls(tool_name=tool_name, tools_block=tools)
+        if style == "bare":
+            return cls.bare(tool_name)
         if style == "compact":
-            return cls.compact(tool_name)
+            template = cls.compact(tool_name)
+            return template if tools else dataclasses.replace(template, system_prompt=COMPACT_NO_TOOL_PROMPT)
         raise ValueError(f"unknown chat template style {style!r}; expected one of {TEMPLATE_STYLES}")
 
     @property
@@ -113,7 +124,7 @@ class ChatTemplate:
 
     def system_text(self) -> str:
         if not self.tools_block:
-            return f"{IM_START}system\n{self.system_prompt}{IM_END}\n"
+            return f"{IM_START}system\n{self.system_prompt}{IM_END}\n" if self.system_prompt else ""
         tools = "".join("\n" + tool_json(t) for t in self.tools)
         return f"{IM_START}system\n{self.system_prompt}{TOOLS_HEADER}{tools}{TOOLS_FOOTER}{IM_END}\n"
 

@@ -38,7 +38,7 @@ import ml_collections
 
 from rstar_jax.agent.reward import SCORER_MODES
 from rstar_jax.agent.template import TEMPLATE_STYLES
-from rstar_jax.data.synthetic import GENERATORS
+from rstar_jax.data.synthetic import BEHAVIOURS, GENERATORS
 from rstar_jax.errors import ConfigError, UserError  # noqa: F401  (re-exported)
 from rstar_jax.model.qwen3 import Qwen3Config
 from rstar_jax.parallel import MESH_AXES
@@ -428,6 +428,19 @@ def _check_values(check: Checker) -> None:
     check.positive_int("data.num_prompts_per_step")
     check.positive_int("data.synthetic.num_train")
     check.positive_int("data.synthetic.num_eval")
+    if check.ok("data.synthetic.sft_stages"):
+        stages = config.data.synthetic.sft_stages
+
+        def good_stage(stage) -> bool:
+            if not (isinstance(stage, (tuple, list)) and len(stage) == 2 and _is_int(stage[0]) and stage[0] >= 0):
+                return False
+            mix = stage[1]
+            return (isinstance(mix, (tuple, list)) and len(mix) == len(BEHAVIOURS)
+                    and all(_is_number(w) and w >= 0 for w in mix) and sum(mix) > 0)
+
+        check.require(len(stages) > 0 and all(map(good_stage, stages)), "data.synthetic.sft_stages",
+                      f"must be (conversations >= 0, ({len(BEHAVIOURS)} non-negative weights for {BEHAVIOURS} with a "
+                      f"positive sum)) per stage, got {stages!r}")
     check.range("data.synthetic.difficulty", 1, 3)
     for kind in check.strings("data.synthetic.kinds"):
         check.require(kind in GENERATORS, "data.synthetic.kinds", f"unknown kind {kind!r}; known: {sorted(GENERATORS)}")

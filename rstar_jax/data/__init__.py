@@ -10,20 +10,23 @@ from rstar_jax.data.datasets import (
     read_examples,
 )
 from rstar_jax.data.synthetic import (
+    BEHAVIOURS,
     GENERATORS,
     Problem,
     SyntheticFiles,
+    ToolResult,
+    behaviours_for,
     generate_problems,
+    held_out_problems,
     prepare_synthetic_data,
-    write_held_out,
     sft_conversation,
+    write_held_out,
     write_problems,
     write_sft_file,
 )
 
 __all__ = [
-    "DataError", "Example", "LoadReport", "PromptIterator", "load_examples",
-    "read_conversations", "read_examples", "GENERATORS", "Problem", "generate_problems", "sft_conversation",
-    "SyntheticFiles", "prepare_synthetic_data", "write_held_out",
-    "write_problems", "write_sft_file",
+    "DataError", "Example", "LoadReport", "PromptIterator", "load_examples", "read_conversations", "read_examples",
+    "BEHAVIOURS", "GENERATORS", "Problem", "SyntheticFiles", "ToolResult", "behaviours_for", "generate_problems",
+    "held_out_problems", "prepare_synthetic_data", "sft_conversation", "write_held_out", "write_problems", "write_sft_file",
 ]

@@ -4,9 +4,9 @@ Every problem has an integer answer that is tedious in the head and one line of 
 (digit sums of large powers, prime counts, modular powers, divisor counts, Fibonacci residues,
 binomial residues, power sums), a question text, and a reference solution that prints the answer.
 `write_problems` writes a dataset file in any format the data pipeline reads, and
-`sft_conversation` builds a complete rStar2-style multi-turn conversation that solves a problem
-with one tool call: the assistant calls the Python tool with the reference code, the tool answers
-with the code's real output, and the assistant closes its reasoning and boxes the answer.
+`sft_conversation` builds a complete rStar2-style multi-turn conversation that solves a problem:
+with one tool call (the reference code, answered with its real output, then the boxed answer),
+without the tool, or with a failing call fixed on the second try (`BEHAVIOURS`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import json
 import math
 import pathlib
 import random
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable, Collection, Sequence
 
 DEFAULT_TOOL_NAME = "python_code_with_standard_io"  # spec §2.2
 
@@ -131,6 +132,16 @@ def last_digit_power(rng: random.Random, difficulty: int) -> Problem:
     return Problem("last_digit_power", f"What is the last digit of {base}^{exponent}?", pow(base, exponent, 10), code)
 
 
+def product(rng: random.Random, difficulty: int) -> Problem:
+    # Beyond a tiny model's mental arithmetic, one line for the tool. The expression is written as the
+    # call writes it, opening parenthesis included: a model copies by finding the token it just wrote
+    # earlier in the context and taking what followed (an induction head), and "(" starts that chain.
+    # Factors of one width whose products all have twice as many digits keep every answer one length.
+    low, high = {1: (32, 99), 2: (317, 999), 3: (3163, 9999)}[difficulty]
+    a, b = rng.randint(low, high), rng.randint(low, high)
+    return Problem("product", f"What is ({a} * {b})?", a * b, f"print({a} * {b})")
+
+
 GENERATORS: dict[str, Callable[[random.Random, int], Problem]] = {
     "digit_sum_power": digit_sum_power,
     "primes_in_range": primes_in_range,
@@ -140,11 +151,14 @@ GENERATORS: dict[str, Callable[[random.Random, int], Problem]] = {
     "binomial_mod": binomial_mod,
     "power_sum_mod": power_sum_mod,
     "last_digit_power": last_digit_power,
+    "product": product,
 }
 
 
-def generate_problems(n: int, *, seed: int = 0, kinds: Sequence[str] = (), difficulty: int = 1) -> list[Problem]:
-    """`n` problems cycling through `kinds` (all generators when empty); deterministic in `seed`."""
+def generate_problems(n: int, *, seed: int = 0, kinds: Sequence[str] = (), difficulty: int = 1,
+                      exclude: Collection[str] = ()) -> list[Problem]:
+    """`n` problems cycling through `kinds` (all generators when empty); deterministic in `seed`.
+    `exclude`: questions never to produce (held-out ones), redrawn when drawn."""
     if n < 0:
         raise ValueError(f"generate_problems: n must be >= 0, got {n}")
     if difficulty not in (1, 2, 3):
@@ -154,7 +168,17 @@ def generate_problems(n: int, *, seed: int = 0, kinds: Sequence[str] = (), diffi
     if unknown:
         raise ValueError(f"generate_problems: unknown kinds {unknown}; known: {sorted(GENERATORS)}")
     rng = random.Random(seed)
-    return [GENERATORS[kinds[i % len(kinds)]](rng, difficulty) for i in range(n)]
+    problems = []
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        for _ in range(1000):
+            problem = GENERATORS[kind](rng, difficulty)
+            if problem.question not in exclude:
+                break
+        else:
+            raise ValueError(f"generate_problems: 1000 draws of {kind} at difficulty {difficulty} were all excluded")
+        problems.append(problem)
+    return problems
 
 
 def write_problems(path: str | pathlib.Path, problems: Sequence[Problem], fmt: str = "auto") -> pathlib.Path:
@@ -202,40 +226,84 @@ def tool_call_text(code: str, tool_name: str = DEFAULT_TOOL_NAME, stdin: str = "
     return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
+# How a solved conversation goes. "tool": one correct call, then the answer. "direct": an answer
+# without the tool (for problems beyond mental arithmetic, an estimate, usually wrong). "fix": a call that fails (a
+# syntax error), then the corrected call and the answer. A warm-up on a mix leaves RL something to
+# choose between: the tool or not, and a clean call or one that needs a second try.
+BEHAVIOURS = ("direct", "tool", "fix")
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolResult:
+    """An execution result as the sandbox reports it (what `format_observation` renders)."""
+
+    status: str
+    stdout: str = ""
+    stderr: str = ""
+    duration_s: float = 0.0
+
+
+def _syntax_error(code: str) -> str:
+    """The message Python gives for trusted, generated code that does not compile."""
+    try:
+        compile(code, "<string>", "exec")
+    except SyntaxError as e:
+        return "".join(traceback.format_exception_only(type(e), e))
+    raise ValueError(f"expected {code!r} not to compile")
+
+
 def sft_conversation(problem: Problem, *, tool_name: str = DEFAULT_TOOL_NAME,
-                     format_observation: Callable[[str], str] | None = None) -> list[dict]:
+                     format_observation: Callable[[ToolResult], str] | None = None,
+                     behaviour: str = "tool") -> list[dict]:
     """A full solved conversation as chat messages for the template to render.
 
     The assistant turns omit the leading `<reason>` because the template forces it at the start of
-    every assistant turn (spec §2.1); the tool message holds the code's real output (passed through
-    `format_observation`, e.g. the release style, when given).
+    every assistant turn (spec §2.1); a tool message holds the code's real result, rendered by
+    `format_observation` (e.g. the rollout loop's style) when given, else the bare stdout/stderr.
     """
+    if behaviour not in BEHAVIOURS:
+        raise ValueError(f"sft_conversation: behaviour must be one of {BEHAVIOURS}, got {behaviour!r}")
     stdout = run_reference(problem)
     if stdout.strip() != str(problem.answer):
         raise RuntimeError(f"reference solution of a {problem.kind} problem printed {stdout!r}, "
                            f"expected {problem.answer}")
-    observation = format_observation(stdout) if format_observation else stdout
-    first = (f"This is tedious by hand, so I will compute it with Python.\n"
-             f"{tool_call_text(problem.solution, tool_name)}")
-    final = (f"The program printed {problem.answer}, so the answer is {problem.answer}.\n</reason>\n"
-             f"<answer>\\boxed{{{problem.answer}}}</answer>")
-    return [
-        {"role": "user", "content": problem.question},
-        {"role": "assistant", "content": first},
-        {"role": "tool", "content": observation},
-        {"role": "assistant", "content": final},
+    render = format_observation or (lambda result: result.stdout or result.stderr)
+    boxed = "</reason>\n<answer>\\boxed{{{}}}</answer>"
+    answer = boxed.format(problem.answer)
+    messages = [{"role": "user", "content": problem.question}]
+    if behaviour == "direct":  # without the tool, the magnitude at best: the leading digit, then zeros
+        return messages + [{"role": "assistant", "content": boxed.format(round(problem.answer, 1 - len(str(problem.answer))))}]
+    if behaviour == "fix":
+        broken = problem.solution.rstrip()[:-1]  # the call's closing parenthesis forgotten
+        messages += [{"role": "assistant", "content": tool_call_text(broken, tool_name)},
+                     {"role": "tool", "content": render(ToolResult("runtime_error", stderr=_syntax_error(broken)))}]
+    return messages + [
+        {"role": "assistant", "content": tool_call_text(problem.solution, tool_name)},
+        {"role": "tool", "content": render(ToolResult("ok", stdout=stdout))},
+        {"role": "assistant", "content": answer},
     ]
 
 
+def behaviours_for(n: int, mix: Sequence[float], seed: int) -> list[str]:
+    """`n` behaviours drawn with weights `mix` over `BEHAVIOURS` (direct, tool, fix)."""
+    if len(mix) != len(BEHAVIOURS) or any(w < 0 for w in mix) or not sum(mix) > 0:
+        raise ValueError(f"behaviours_for: mix must be {len(BEHAVIOURS)} non-negative weights for {BEHAVIOURS} "
+                         f"with a positive sum, got {tuple(mix)}")
+    return random.Random(seed).choices(BEHAVIOURS, weights=mix, k=n)
+
+
 def write_sft_file(path: str | pathlib.Path, problems: Sequence[Problem], *, tool_name: str = DEFAULT_TOOL_NAME,
-                   format_observation: Callable[[str], str] | None = None) -> pathlib.Path:
-    """jsonl of {"messages": [...], "answer": "N"}: the SFT input format."""
+                   format_observation: Callable[[ToolResult], str] | None = None,
+                   behaviours: Sequence[str] | None = None) -> pathlib.Path:
+    """jsonl of {"messages": [...], "answer": "N", "behaviour": ...}: the SFT input format."""
     path = pathlib.Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    behaviours = behaviours or ["tool"] * len(problems)
     with open(path, "w") as f:
-        for p in problems:
-            messages = sft_conversation(p, tool_name=tool_name, format_observation=format_observation)
-            f.write(json.dumps({"messages": messages, "answer": str(p.answer)}) + "\n")
+        for p, behaviour in zip(problems, behaviours, strict=True):
+            messages = sft_conversation(p, tool_name=tool_name, format_observation=format_observation,
+                                        behaviour=behaviour)
+            f.write(json.dumps({"messages": messages, "answer": str(p.answer), "behaviour": behaviour}) + "\n")
     return path
 
 
@@ -243,29 +311,48 @@ def write_sft_file(path: str | pathlib.Path, problems: Sequence[Problem], *, too
 class SyntheticFiles:
     train: pathlib.Path  # RL problems (jsonl)
     eval: pathlib.Path  # held-out problems (jsonl)
-    sft: pathlib.Path  # solved conversations on problems disjoint from the RL seed (jsonl)
+    sft: tuple[pathlib.Path, ...]  # solved conversations, one file per SFT stage, on problems apart from the rest
+
+
+def held_out_problems(*, num_eval: int, seed: int, kinds: Sequence[str] = (), difficulty: int = 1) -> list[Problem]:
+    """The held-out problems of the synthetic set with this seed (seed + 1, so they do not repeat the
+    training problems' draws); training and SFT problems exclude their questions."""
+    return generate_problems(num_eval, seed=seed + 1, kinds=tuple(kinds), difficulty=difficulty)
 
 
 def write_held_out(out_dir: str | pathlib.Path, *, num_eval: int, seed: int, kinds: Sequence[str] = (),
                    difficulty: int = 1) -> pathlib.Path:
-    """`<out_dir>/eval.jsonl`: the held-out problems of the synthetic set with this seed (seed + 1, so
-    they do not repeat the training problems' draws)."""
-    problems = generate_problems(num_eval, seed=seed + 1, kinds=tuple(kinds), difficulty=difficulty)
+    """`<out_dir>/eval.jsonl`: `held_out_problems`."""
+    problems = held_out_problems(num_eval=num_eval, seed=seed, kinds=kinds, difficulty=difficulty)
     return write_problems(pathlib.Path(out_dir) / "eval.jsonl", problems)
 
 
 def prepare_synthetic_data(out_dir: str | pathlib.Path, *, num_train: int, num_eval: int, seed: int = 0,
                            kinds: Sequence[str] = (), difficulty: int = 1, tool_name: str = DEFAULT_TOOL_NAME,
-                           format_observation: Callable[[str], str] | None = None) -> SyntheticFiles:
+                           format_observation: Callable[[ToolResult], str] | None = None,
+                           sft_stages: Sequence[tuple[int, Sequence[float]]] = ((0, (0.0, 1.0, 0.0)),),
+                           ) -> SyntheticFiles:
     """Writes RL problems, held-out problems and solved SFT conversations into `out_dir` and returns
-    their paths. Deterministic in the seed, so a resumed run rewrites identical files. Held-out and
-    SFT problems use their own seeds (seed+1, seed+2) so they do not repeat the RL problems' draws."""
+    their paths. `sft_stages`: (conversations, weights over `BEHAVIOURS`) per SFT stage, 0
+    conversations meaning `num_train`; stage i goes to `sft_<i>.jsonl`. Deterministic in the seed, so a
+    resumed run rewrites identical files. Held-out and SFT problems use their own seeds (seed+1,
+    seed+2); no RL or SFT problem is a held-out one (small kinds, such as `product`'s 4624
+    questions, may repeat within the RL or the SFT set)."""
     out = pathlib.Path(out_dir)
     kinds = tuple(kinds)
-    train = generate_problems(num_train, seed=seed, kinds=kinds, difficulty=difficulty)
-    sft = generate_problems(num_train, seed=seed + 2, kinds=kinds, difficulty=difficulty)
+    counts = [n or num_train for n, _ in sft_stages]
+    held_out = held_out_problems(num_eval=num_eval, seed=seed, kinds=kinds, difficulty=difficulty)
+    exclude = frozenset(p.question for p in held_out)
+    train = generate_problems(num_train, seed=seed, kinds=kinds, difficulty=difficulty, exclude=exclude)
+    sft = generate_problems(sum(counts), seed=seed + 2, kinds=kinds, difficulty=difficulty, exclude=exclude)
+    files, start = [], 0
+    for i, (n, (_, mix)) in enumerate(zip(counts, sft_stages)):
+        files.append(write_sft_file(out / f"sft_{i}.jsonl", sft[start:start + n], tool_name=tool_name,
+                                    format_observation=format_observation,
+                                    behaviours=behaviours_for(n, mix, seed + 3 + i)))
+        start += n
     return SyntheticFiles(
         train=write_problems(out / "train.jsonl", train),
-        eval=write_held_out(out, num_eval=num_eval, seed=seed, kinds=kinds, difficulty=difficulty),
-        sft=write_sft_file(out / "sft.jsonl", sft, tool_name=tool_name, format_observation=format_observation),
+        eval=write_problems(out / "eval.jsonl", held_out),
+        sft=tuple(files),
     )

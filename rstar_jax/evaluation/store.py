@@ -44,6 +44,7 @@ def sampling_settings(loop: LoopConfig, *, k: int, files: Sequence[str], policy:
         "observation_style": loop.observation_style,
         "observation_max_chars": loop.observation_max_chars,
         "tool_timeout_s": loop.tool_timeout_s,
+        "use_tools": loop.use_tools,
         "seed": loop.seed,
     }
 

@@ -59,6 +59,7 @@ class LoopConfig:
     observation_style: str = "release"
     observation_max_chars: int = 256
     tool_timeout_s: float | None = None  # None: the sandbox's default
+    use_tools: bool = True  # False: tool calls are never executed (the first turn is the last)
     # Seeded sampling: each trajectory draws from a seed derived from (seed, group_id, sample_index),
     # so its tokens do not depend on batching or timing (reproducible runs, exact resume).
     # None: the generator's own random stream.
@@ -95,7 +96,7 @@ class LoopConfig:
         paths.update({"tool_name": "rollout.tool_name", "max_calls_per_turn": "rollout.max_tool_calls_per_turn",
                       "observation_style": "rollout.observation_style",
                       "observation_max_chars": "rollout.observation_max_chars", "tool_timeout_s": "sandbox.timeout_s",
-                      "seed": "seed"})
+                      "use_tools": "rollout.tools", "seed": "seed"})
         return from_paths(cls, config, paths, seed=config.seed if config.rollout.seeded_sampling else None)
 
 
@@ -195,7 +196,7 @@ async def run_trajectory(
             if not calls:
                 traj.finish_reason = STOP_NO_TOOL_CALL
                 break
-            if traj.n_turns >= config.max_turns:
+            if traj.n_turns >= config.max_turns or not config.use_tools:
                 traj.finish_reason = STOP_MAX_TURNS  # the turn limit: no further turn can use a result
                 break
             if len(traj.response_ids) + min_observation >= config.response_budget:

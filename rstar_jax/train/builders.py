@@ -21,7 +21,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import types
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import jax
@@ -156,7 +155,7 @@ def tokenizer(config) -> Tokenizer:
 
 
 def template(config) -> ChatTemplate:
-    return ChatTemplate.from_style(config.rollout.template, config.rollout.tool_name)
+    return ChatTemplate.from_style(config.rollout.template, config.rollout.tool_name, tools=config.rollout.tools)
 
 
 def _synthetic(config) -> tuple[pathlib.Path, dict]:
@@ -165,23 +164,20 @@ def _synthetic(config) -> tuple[pathlib.Path, dict]:
                                                         difficulty=s.difficulty)
 
 
-def prepare_data(config) -> tuple[tuple[str, ...], str | None]:
-    """(RL problem files, SFT conversations file): generated into `<run_dir>/data` for a synthetic
-    config (SFT observations rendered as the rollout loop renders a successful call), else the
+def prepare_data(config) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(RL problem files, SFT conversation files, trained in order): generated into `<run_dir>/data`
+    for a synthetic config (tool results rendered as the rollout loop renders them), else the
     configured files."""
     if not config.data.synthetic.enabled:
-        sft = config.sft.train_files
-        return tuple(config.data.train_files), (sft[0] if sft else None)
-    r = config.rollout
-
-    def observation(stdout: str) -> str:
-        ok = types.SimpleNamespace(status="ok", stdout=stdout, stderr="", duration_s=0.0)
-        return format_observation(ok, style=r.observation_style, max_chars=r.observation_max_chars)
-
+        return tuple(config.data.train_files), tuple(config.sft.train_files)
+    r, syn = config.rollout, config.data.synthetic
+    observation = lambda result: format_observation(  # noqa: E731  (as the rollout loop renders it)
+        result, style=r.observation_style, max_chars=r.observation_max_chars)
     out, kw = _synthetic(config)
-    files = prepare_synthetic_data(out, num_train=config.data.synthetic.num_train, tool_name=r.tool_name,
-                                   format_observation=observation, **kw)
-    return (str(files.train),), str(files.sft)
+    files = prepare_synthetic_data(out, num_train=syn.num_train,
+                                   sft_stages=tuple((n, tuple(mix)) for n, mix in syn.sft_stages),
+                                   tool_name=r.tool_name, format_observation=observation, **kw)
+    return (str(files.train),), tuple(map(str, files.sft))
 
 
 def held_out_files(config, *, files: Sequence[str] = (), field: str = "data.eval_files") -> tuple[str, ...]:
@@ -209,16 +205,17 @@ def prompt_iterator(config, files: Sequence[str]) -> tuple[PromptIterator, LoadR
     return PromptIterator(examples, d.num_prompts_per_step, seed=d.shuffle_seed), report
 
 
-def sft_batches(config, tokenizer: Tokenizer, template: ChatTemplate, conversations: Sequence,
+def sft_batches(config, tokenizer: Tokenizer, template: ChatTemplate, stages: Sequence[Sequence],
                 mesh: Mesh | None) -> SftBatches:
-    """`sft.micro_batch_tokens` per data-parallel shard: each micro-batch holds that many rows on
-    every shard; one conversation per row at most."""
+    """The conversations of each stage (file), trained stage after stage. `sft.micro_batch_tokens`
+    per data-parallel shard: each micro-batch holds that many tokens on every shard."""
     c = config.sft
-    sequences = sft_sequences(template, tokenizer, conversations, c.max_length)
+    sequences = sft_sequences(template, tokenizer, [conv for stage in stages for conv in stage], c.max_length)
     row_length = row_length_for(c.max_length, 1)
     per_shard = max(1, c.micro_batch_tokens // row_length)  # one row of sft.max_length at least
-    return SftBatches(sequences, conversations_per_step=min(c.batch_size, len(sequences)),
-                      rows=data_parallel(mesh) * per_shard, row_length=row_length, seed=config.seed)
+    return SftBatches(sequences, conversations_per_step=min(c.batch_size, min(map(len, stages))),
+                      rows=data_parallel(mesh) * per_shard, row_length=row_length, seed=config.seed,
+                      stage_sizes=tuple(len(stage) for stage in stages))
 
 
 def metrics_writer(config) -> MetricsWriter:

@@ -34,7 +34,7 @@ def run_stage(config) -> dict:
     run_dir = pathlib.Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     tokenizer, template = builders.tokenizer(config), builders.template(config)
-    train_files, sft_file = builders.prepare_data(config)
+    train_files, sft_files = builders.prepare_data(config)
     model, mesh = builders.build_policy(config)
     metrics = builders.metrics_writer(config)
     checkpointer = builders.checkpointer(config, model)
@@ -43,9 +43,9 @@ def run_stage(config) -> dict:
         # A resumed RL run restores the policy from its checkpoint: the warm-up already happened.
         warm_up = config.mode == "rl" and config.sft.before_rl and checkpointer.latest_step() is None
         if config.mode == "sft" or warm_up:
-            if sft_file is None:
+            if not sft_files:
                 raise ConfigError("config.sft.train_files: the SFT stage needs a conversations file")
-            summary.update(run_sft(config, model, mesh, tokenizer, template, sft_file, metrics,
+            summary.update(run_sft(config, model, mesh, tokenizer, template, sft_files, metrics,
                                    checkpointer if config.mode == "sft" else None))
             if warm_up and config.checkpoint.export_hf_final:
                 save_pretrained(model, run_dir / "hf" / "sft_warmup")  # the policy RL starts from
@@ -60,12 +60,13 @@ def run_stage(config) -> dict:
     return summary
 
 
-def run_sft(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTemplate, conversations_file: str,
+def run_sft(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTemplate, conversation_files,
             metrics: MetricsWriter, checkpointer: Checkpointer | None = None) -> dict:
-    """The SFT stage (or RL's warm-up): assistant-token NLL, packed, cosine schedule. With a
-    checkpointer (the `sft` mode) it saves every `checkpoint.every_steps` steps and at the end, and
-    resumes from the latest save."""
-    batches = builders.sft_batches(config, tokenizer, template, read_conversations(conversations_file), mesh)
+    """The SFT stage (or RL's warm-up): assistant-token NLL, packed, cosine schedule, the files one
+    after the other in each epoch. With a checkpointer (the `sft` mode) it saves every
+    `checkpoint.every_steps` steps and at the end, and resumes from the latest save."""
+    batches = builders.sft_batches(config, tokenizer, template, [read_conversations(f) for f in conversation_files],
+                                   mesh)
     total = config.sft.epochs * batches.steps_per_epoch()
     optimizer = make_optimizer(model, OptimizerConfig.for_sft(config, total))
     start = 0

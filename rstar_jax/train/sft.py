@@ -77,23 +77,39 @@ def eval_nll(model, batch, chunk_size: int = 1024):
 
 @dataclasses.dataclass
 class SftBatches:
-    """Packs sequences into fixed-shape batches of `conversations_per_step` conversations."""
+    """Packs sequences into fixed-shape batches of `conversations_per_step` conversations.
+
+    stage_sizes: consecutive slices of `sequences` trained one after the other in each epoch (a
+    curriculum: one file after another), each shuffled on its own; () is one stage of everything.
+    """
 
     sequences: list[TrainingSequence]
     conversations_per_step: int
     rows: int
     row_length: int
     seed: int = 0
+    stage_sizes: Sequence[int] = ()
+
+    def _stages(self) -> list[range]:
+        sizes = list(self.stage_sizes) or [len(self.sequences)]
+        if sum(sizes) != len(self.sequences) or any(n < 1 for n in sizes):
+            raise ValueError(f"SftBatches.stage_sizes {sizes} must be positive and sum to the {len(self.sequences)} "
+                             f"sequences")
+        starts = np.cumsum([0] + sizes)
+        return [range(a, b) for a, b in zip(starts[:-1], starts[1:])]
 
     def steps_per_epoch(self) -> int:
-        return max(1, len(self.sequences) // self.conversations_per_step)
+        return sum(max(1, len(stage) // self.conversations_per_step) for stage in self._stages())
 
     def epoch(self, epoch: int) -> Iterable[dict[str, np.ndarray]]:
-        order = np.random.default_rng(self.seed + epoch).permutation(len(self.sequences))
-        for s in range(self.steps_per_epoch()):
-            chosen = [self.sequences[i] for i in order[s * self.conversations_per_step:(s + 1) * self.conversations_per_step]]
-            yield make_micro_batches(chosen, rows=self.rows, row_length=self.row_length, packed=True,
-                                     num_micro_batches=self.num_micro_batches())
+        rng = np.random.default_rng(self.seed + epoch)
+        n = self.conversations_per_step
+        for stage in self._stages():
+            order = np.asarray(stage)[rng.permutation(len(stage))]
+            for s in range(max(1, len(stage) // n)):
+                chosen = [self.sequences[i] for i in order[s * n:(s + 1) * n]]
+                yield make_micro_batches(chosen, rows=self.rows, row_length=self.row_length, packed=True,
+                                         num_micro_batches=self.num_micro_batches())
 
     def num_micro_batches(self) -> int:
         """Every step's count: what `conversations_per_step` of the longest conversation need, so

@@ -20,15 +20,18 @@ from rstar_jax.errors import from_paths
 from rstar_jax.rl.logprobs import token_logprobs
 from rstar_jax.rl.loss import LossConfig, combine_metrics, empty_metrics, grpo_loss
 
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULES = ("constant", "cosine", "wsd")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     lr: float = 1e-6  # rStar2-Agent §5.3: constant 1e-6
     warmup_steps: int = 20  # linear warm-up over 20 rollout steps
-    schedule: str = "constant"  # or "cosine" (SFT)
-    total_steps: int = 0  # needed by "cosine"
+    # "cosine" decays over all steps after the warm-up (SFT); "wsd" (warm-up, stable, decay) holds the
+    # rate, then decays it with a cosine over the last `decay_ratio` of the steps.
+    schedule: str = "constant"
+    total_steps: int = 0  # needed by "cosine" and "wsd"
+    decay_ratio: float = 0.1
     b1: float = 0.9
     b2: float = 0.999
     weight_decay: float = 0.01
@@ -38,8 +41,10 @@ class OptimizerConfig:
     def __post_init__(self):
         if self.schedule not in LR_SCHEDULES:
             raise ValueError(f"OptimizerConfig.schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}")
-        if self.schedule == "cosine" and self.total_steps <= self.warmup_steps:
-            raise ValueError("OptimizerConfig.total_steps must exceed warmup_steps for a cosine schedule")
+        if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
+            raise ValueError(f"OptimizerConfig.total_steps must exceed warmup_steps for a {self.schedule} schedule")
+        if not 0.0 < self.decay_ratio <= 1.0:
+            raise ValueError(f"OptimizerConfig.decay_ratio must be in (0, 1], got {self.decay_ratio}")
         if self.lr <= 0:
             raise ValueError(f"OptimizerConfig.lr must be > 0, got {self.lr}")
         if self.warmup_steps < 0:
@@ -56,7 +61,8 @@ class OptimizerConfig:
     def from_config(cls, config) -> "OptimizerConfig":
         """The RL optimizer: `config.optim` over `train.steps`; a ConfigError names an invalid field."""
         return from_paths(cls, config, {**ADAMW_PATHS, "lr": "optim.lr", "warmup_steps": "optim.warmup_steps",
-                                        "schedule": "optim.schedule", "total_steps": "train.steps"})
+                                        "schedule": "optim.schedule", "total_steps": "train.steps",
+                                        "decay_ratio": "optim.decay_ratio"})
 
     @classmethod
     def for_sft(cls, config, total_steps: int) -> "OptimizerConfig":
@@ -64,7 +70,8 @@ class OptimizerConfig:
         fraction of them (a schedule too short for its warm-up stays constant), AdamW from `config.optim`."""
         warmup = max(0, int(round(config.sft.warmup_ratio * total_steps)))
         return from_paths(cls, config, {**ADAMW_PATHS, "lr": "sft.lr", "warmup_steps": "sft.warmup_ratio",
-                                        "schedule": "sft.schedule", "total_steps": "sft.epochs"},
+                                        "schedule": "sft.schedule", "total_steps": "sft.epochs",
+                                        "decay_ratio": "sft.decay_ratio"},
                           warmup_steps=warmup, total_steps=total_steps,
                           schedule=config.sft.schedule if total_steps > warmup else "constant")
 
@@ -74,11 +81,16 @@ ADAMW_PATHS = {"b1": "optim.b1", "b2": "optim.b2", "weight_decay": "optim.weight
 
 def lr_schedule(config: OptimizerConfig) -> optax.Schedule:
     warmup = optax.linear_schedule(0.0, config.lr, max(config.warmup_steps, 1))
+    after_warmup = config.total_steps - config.warmup_steps
     if config.schedule == "constant":
         rest = optax.constant_schedule(config.lr)
+    elif config.schedule == "cosine":
+        rest = optax.cosine_decay_schedule(config.lr, after_warmup, alpha=config.min_lr_ratio)
     else:
-        rest = optax.cosine_decay_schedule(config.lr, config.total_steps - config.warmup_steps,
-                                           alpha=config.min_lr_ratio)
+        decay = min(after_warmup, max(1, round(config.decay_ratio * config.total_steps)))
+        rest = optax.join_schedules(
+            [optax.constant_schedule(config.lr),
+             optax.cosine_decay_schedule(config.lr, decay, alpha=config.min_lr_ratio)], [after_warmup - decay])
     if config.warmup_steps == 0:
         return rest
     return optax.join_schedules([warmup, rest], [config.warmup_steps])
