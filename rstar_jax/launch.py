@@ -12,7 +12,7 @@ from rstar_jax.parallel import maybe_initialize_distributed
 from rstar_jax.train.held_out import run_evaluation
 from rstar_jax.train.run import run_stage
 
-SUMMARY_KEYS = ("sft/loss", "rollout/reward_mean", "update/loss", "eval/pass@1")
+SUMMARY_KEYS = ("sft/loss", "rollout/reward_mean", "update/loss")
 
 
 def run(config) -> None:
@@ -21,8 +21,12 @@ def run(config) -> None:
         return
     maybe_initialize_distributed()
     summary = run_stage(config)
-    print(f"[{config.mode}] done: {config.run_dir} " + " ".join(
-        f"{k}={v:.4g}" for k, v in summary.items() if isinstance(v, float) and k.startswith(SUMMARY_KEYS)))
+    line = " ".join(f"{k}={v:.4g}" for k, v in summary.items() if isinstance(v, float) and k in SUMMARY_KEYS)
+    if "eval/pass@1_first" in summary:  # held-out pass@1 where RL started and where it ended
+        line += (f" eval/pass@1 {summary['eval/pass@1_first']:.3f} (step {summary['eval/first_step']}) -> "
+                 f"{summary['eval/pass@1']:.3f} +- {summary['eval/pass@1_stderr']:.3f} (step {summary['step']}, "
+                 f"{summary['eval/num_problems']} problems)")
+    print(f"[{config.mode}] done: {config.run_dir} {line}")
 
 
 def main() -> None:

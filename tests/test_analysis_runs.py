@@ -50,9 +50,9 @@ def test_split_and_frames_tell_sft_from_rl_by_keys():
              {"step": 1, "time": 0.0, "rollout/reward_mean": 0.25, "update/skipped": 1},
              {"step": 2, "time": 0.0, "rollout/reward_mean": 0.5, "update/loss": -0.1, "update/skipped": 0,
               "roc/list": [1, 2], "note": "text"},
-             {"step": 3, "time": 0.0, "eval/avg": 0.4}]
+             {"step": 0, "time": 0.0, "eval/pass@1": 0.3}, {"step": 3, "time": 0.0, "note": "text"}]
     parts = runs.split_metrics(lines)
-    assert [len(parts[k]) for k in ("sft", "rl", "other")] == [2, 2, 1]
+    assert [len(parts[k]) for k in ("sft", "rl", "eval", "other")] == [2, 2, 1, 1]
     rl = runs.metric_frame(parts["rl"])
     assert rl["step"].dtype == np.int64 and rl["step"].tolist() == [1, 2]
     assert rl["rollout/reward_mean"].tolist() == [0.25, 0.5]
@@ -94,17 +94,22 @@ def test_load_run_without_config_takes_stage_from_rollouts(tmp_path):
 def test_concat_rl_offsets_steps_and_marks_boundaries(tmp_path):
     def run(name, steps, stage):
         frame = runs.metric_frame([{"step": s, "rollout/reward_mean": s / 10} for s in steps])
-        return runs.RunData(run_dir=tmp_path / name, name=name, stage=stage, sft={}, rl=frame, other=[],
-                            config=None)
+        evaluations = runs.metric_frame([{"step": s, "eval/pass@1": s / 20} for s in (0, steps[-1])])
+        return runs.RunData(run_dir=tmp_path / name, name=name, stage=stage, sft={}, rl=frame, eval=evaluations,
+                            other=[], config=None)
 
     a, b = run("a", [1, 2, 3], "stage1"), run("b", [1, 2], "stage2")
     empty = runs.RunData(run_dir=tmp_path, name="sft", stage="sft", sft={}, rl=runs.metric_frame([]),
-                         other=[], config=None)
+                         eval=runs.metric_frame([]), other=[], config=None)
     joined, boundaries = runs.concat_rl([a, empty, b])
     assert joined["global_step"].tolist() == [1, 2, 3, 4, 5]
     assert joined["step"].tolist() == [1, 2, 3, 1, 2]
     np.testing.assert_allclose(joined["rollout/reward_mean"], [0.1, 0.2, 0.3, 0.1, 0.2])
     assert boundaries == [(1, "stage1 (a)"), (4, "stage2 (b)")]
+    # Held-out evaluations on the same axis: stage b's step 0 is the policy stage a ended with.
+    evaluations = runs.concat_eval([a, empty, b])
+    assert evaluations["global_step"].tolist() == [0, 3, 3, 5]
+    np.testing.assert_allclose(evaluations["eval/pass@1"], [0.0, 0.15, 0.0, 0.1])
 
 
 def test_tool_use_by_step_by_hand():

@@ -79,7 +79,7 @@ def write_questions(path: pathlib.Path, questions=QUESTIONS) -> pathlib.Path:
 def eval_overrides(run_dir, questions_file, target, *extra) -> list[str]:
     """The tiny config in eval mode against a running sandbox (Verify RPC scores every response).
 
-    The engine keeps the tiny run's shapes (32 slots, 384 + 448 tokens), so every engine here and
+    The engine keeps the tiny run's shapes (32 slots, 64 + 448 tokens), so every engine here and
     in the tiny run shares one set of compilations.
     """
     return [f"run_dir={run_dir}", "mode=eval", f"eval.files=('{questions_file}',)", f"eval.k={K}",
@@ -371,5 +371,28 @@ def test_bad_eval_configs_name_the_field(inputs, tmp_path):
     config = eval_config(*eval_overrides(tmp_path / "long_run", long_file, "127.0.0.1:1",
                                          f"model.hf_path={inputs['hf_slow']}"))
     with pytest.raises(ValueError, match=rf"{long_file} row 0: the prompt is \d+ tokens, more than "
-                                         r"config\.rollout\.max_prompt_length=384"):
+                                         r"config\.rollout\.max_prompt_length=64"):
         run_evaluation(config)
+
+
+@pytest.mark.slow
+def test_rl_held_out_evaluation_at_step_0_equals_the_evaluate_command(straight, inputs, sandbox_target, tmp_path):
+    """train.eval_every: the RL run evaluates the policy it starts from with the evaluate command's
+    code and settings, so its step-0 samples are those `python -m rstar_jax.evaluate` drew."""
+    run_dir = tmp_path / "rl"
+    overrides = [f"run_dir={run_dir}", f"model.hf_path={inputs['hf_slow']}", "sft.before_rl=False", "train.steps=1",
+                 "train.eval_every=1", f"data.eval_files=('{inputs['questions']}',)", f"eval.k={K}",
+                 "metrics.progress_bar=false", "sandbox.launch_local=false", f"sandbox.targets=('{sandbox_target}',)",
+                 "sandbox.verify_via=sandbox", "checkpoint.export_hf_final=False"]
+    result = _run_cli("rstar_jax.launch", overrides, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evaluations = {line["step"]: line for line in lines if "eval/pass@1" in line}
+    assert sorted(evaluations) == [0, 1]  # the starting policy and the policy after the last step
+    report = json.loads((straight[0] / "report.json").read_text())["overall"]
+    assert evaluations[0]["eval/pass@1"] == report["avg_at_k"]
+    assert evaluations[0]["eval/num_problems"] == report["num_questions"] == len(QUESTIONS)
+    assert evaluations[0]["eval/tool_calls_mean"] == report["tool_calls_per_response"]
+    sample = lambda r: (r["key"], r["sample_index"], r["response_ids"], r["reward"])  # noqa: E731
+    assert sorted(map(sample, _records(run_dir / "eval" / "step_0"))) == sorted(map(sample, _records(straight[0])))
+    assert "eval/pass@1" in result.stdout and "(step 0) ->" in result.stdout  # the run's last line reports both

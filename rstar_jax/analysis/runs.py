@@ -36,6 +36,7 @@ from rstar_jax.train.metrics import read_metrics
 
 SFT_PREFIX = "sft/"
 RL_PREFIX = "rollout/"
+EVAL_PREFIX = "eval/"
 STEP = "step"
 
 # Display order of tool statuses: success, then sandbox_service's closed set, then malformed calls.
@@ -49,8 +50,9 @@ TOOL_TOKEN_COLOUR = "#e9ecef"
 # -- metrics --------------------------------------------------------------------------------------
 
 def split_metrics(records: Iterable[Mapping[str, Any]]) -> dict[str, list[dict]]:
-    """Separates metric lines into `sft` (any `sft/*` key), `rl` (any `rollout/*` key) and `other`."""
-    out: dict[str, list[dict]] = {"sft": [], "rl": [], "other": []}
+    """Separates metric lines into `sft` (any `sft/*` key), `rl` (any `rollout/*` key), `eval` (RL's
+    held-out evaluations: `eval/*` keys) and `other`."""
+    out: dict[str, list[dict]] = {"sft": [], "rl": [], "eval": [], "other": []}
     for i, record in enumerate(records):
         if STEP not in record:
             raise ValueError(f"metrics line {i + 1} has no {STEP!r} field: {sorted(record)[:8]}")
@@ -58,6 +60,8 @@ def split_metrics(records: Iterable[Mapping[str, Any]]) -> dict[str, list[dict]]
             out["sft"].append(dict(record))
         elif any(key.startswith(RL_PREFIX) for key in record):
             out["rl"].append(dict(record))
+        elif any(key.startswith(EVAL_PREFIX) for key in record):
+            out["eval"].append(dict(record))
         else:
             out["other"].append(dict(record))
     return out
@@ -123,6 +127,7 @@ class RunData:
     stage: str
     sft: dict[str, np.ndarray]  # SFT warm-up or SFT-stage lines
     rl: dict[str, np.ndarray]  # RL lines (rollout/*, update/*, roc/*, time/*, lr)
+    eval: dict[str, np.ndarray]  # held-out evaluations during RL (eval/*; step 0 is the starting policy)
     other: list[dict]  # lines that are neither (kept so nothing is dropped unseen)
     config: dict | None
 
@@ -150,7 +155,8 @@ def load_run(run_dir: str | pathlib.Path, name: str | None = None) -> RunData:
         stage = str(first[0].get("stage", "")) if first else ""
     return RunData(run_dir=run_dir, name=name or run_dir.name, stage=stage or run_dir.name,
                    sft=metric_frame(parts["sft"], where=f"{path} (sft)"),
-                   rl=metric_frame(parts["rl"], where=f"{path} (rl)"), other=parts["other"], config=config)
+                   rl=metric_frame(parts["rl"], where=f"{path} (rl)"),
+                   eval=metric_frame(parts["eval"], where=f"{path} (eval)"), other=parts["other"], config=config)
 
 
 def concat_rl(runs: Sequence[RunData]) -> tuple[dict[str, np.ndarray], list[tuple[int, str]]]:
@@ -160,14 +166,30 @@ def concat_rl(runs: Sequence[RunData]) -> tuple[dict[str, np.ndarray], list[tupl
     global step of the runs before it) and the stage boundaries as (first global step, label).
     Runs without RL lines are skipped.
     """
-    pieces, boundaries, offset = [], [], 0
+    joined, boundaries, _ = _concat(runs)
+    return joined, boundaries
+
+
+def concat_eval(runs: Sequence[RunData]) -> dict[str, np.ndarray]:
+    """The held-out evaluations of consecutive stages on `concat_rl`'s axis (`global_step`)."""
+    return _concat(runs)[2]
+
+
+def _concat(runs: Sequence[RunData]):
+    rl_pieces, eval_pieces, boundaries, offset = [], [], [], 0
     for run in runs:
         if run.num_rl_steps == 0:
             continue
         steps = run.rl[STEP]
-        pieces.append((run.rl, steps + offset))
+        rl_pieces.append((run.rl, steps + offset))
+        if frame_length(run.eval):
+            eval_pieces.append((run.eval, run.eval[STEP] + offset))
         boundaries.append((int(steps[0] + offset), run.stage if run.stage == run.name else f"{run.stage} ({run.name})"))
         offset += int(steps[-1])
+    return _join(rl_pieces), boundaries, _join(eval_pieces)
+
+
+def _join(pieces) -> dict[str, np.ndarray]:
     names: list[str] = []
     for frame, _ in pieces:
         names += [n for n in frame if n not in names]
@@ -176,7 +198,7 @@ def concat_rl(runs: Sequence[RunData]) -> tuple[dict[str, np.ndarray], list[tupl
         joined[name] = np.concatenate([column(frame, name) for frame, _ in pieces])
     if STEP in joined:
         joined[STEP] = joined[STEP].astype(np.int64)
-    return joined, boundaries
+    return joined
 
 
 # -- rollouts and tool use ------------------------------------------------------------------------

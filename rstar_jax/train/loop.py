@@ -84,9 +84,14 @@ class RLLoop:
         return bool(self.evaluate and self.eval_every) and (step % self.eval_every == 0 or step == self.steps)
 
     async def run(self, start: int) -> dict:
+        """Returns the last step's metrics (with its evaluation's) and, when evaluations ran, the
+        first one's pass@1 as `eval/pass@1_first` (step `eval/first_step`)."""
         last: dict = {}
+        first: dict = {}
         if start == 0 and self._evaluation_due(0):
-            self.metrics.write(0, await self.evaluate(0))  # the policy RL starts from
+            evaluation = await self.evaluate(0)  # the policy RL starts from
+            self.metrics.write(0, evaluation)
+            first = {"eval/pass@1_first": evaluation["eval/pass@1"], "eval/first_step": 0}
         bar = ProgressBar(self.steps, desc="rl") if self.progress else None
         decode = lambda ids: self.trainer.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
         try:
@@ -103,11 +108,13 @@ class RLLoop:
                 last = self.metrics.write(step + 1, step_metrics)
                 self.save_state(step + 1, step + 1 == self.steps)
                 if self._evaluation_due(step + 1):
-                    last = {**last, **self.metrics.write(step + 1, await self.evaluate(step + 1))}
+                    evaluation = await self.evaluate(step + 1)
+                    last = {**last, **self.metrics.write(step + 1, evaluation)}
+                    first = first or {"eval/pass@1_first": evaluation["eval/pass@1"], "eval/first_step": step + 1}
                 if bar:
                     bar.update(step + 1, reward=f"{step_metrics['rollout/reward_mean']:.2f}",
                                skipped=step_metrics.get("update/skipped", 0))
         finally:
             if bar:
                 bar.close()
-        return last
+        return {**last, **first}
