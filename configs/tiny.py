@@ -1,10 +1,30 @@
-"""Embedded default: the whole pipeline on one CPU machine in minutes.
+"""Embedded default: the whole pipeline on one CPU machine in minutes, and RL that visibly teaches.
 
-A tiny Qwen3 with the byte tokenizer, synthetic tool-use math problems generated into the run
-directory, a short SFT warm-up that teaches the tool-call and answer format, then GRPO-RoC steps
-with small groups and budgets against a local sandbox server (started and stopped by the launcher)
-and the in-process JaxEngine. The chat template is the compact style: the release's ~2.3K-character
-system prompt would be ~2.3K byte tokens of every sequence.
+The task: "What is (47 * 38)?". The product is beyond the model's mental arithmetic, so an answer is
+right only if the model copies both factors into `print(47 * 38)`, calls the tool and copies its
+output into `\\boxed{}`. A 4-layer, width-128 Qwen3 over bytes (0.87M parameters) with no system
+turn (the `bare` template: every prompt byte is compute) learns this in a two-stage SFT warm-up:
+
+1. 2800 conversations of correct tool use only (700 steps at a constant 1e-2 after the warm-up).
+   Copying digits from the question is a circuit that appears in a phase change, here after 450 to
+   500 steps. It needs unique problems: 512 problems repeated over epochs are memorised instead and
+   the copy never forms. A mixture of behaviours from the start delays it past the budget, and so
+   does a cosine schedule, whose rate has mostly decayed by then.
+2. 600 conversations (150 steps, over which the rate decays: the "wsd" schedule) mixing answers
+   without the tool (a leading-digit estimate, so almost always wrong), correct tool use, and a broken
+   call (a missing parenthesis) followed by its fix, weighted 2:1:1. With the decay, the warmed-up
+   policy samples each behaviour about as often as this stage shows it. At a constant rate it samples
+   whatever the last few batches showed.
+
+So RL starts from a policy that often skips the tool and sometimes recovers from a tool error: room
+to improve, and positive trajectories with tool errors for RoC to filter. About 20% of held-out
+problems are solved at step 0, from the tool calls that copy correctly. 20 GRPO-RoC steps turn the
+policy to the tool: held-out pass@1 reaches about 0.9 by step 10 (benchmarks/RESULTS.md).
+
+Held-out problems are drawn from their own seed and never appear among the RL or SFT problems.
+`train.eval_every` evaluates them (128 problems, 2 samples each) at steps 0, 10 and 20, with the same
+agentic loop as `python -m rstar_jax.evaluate`. Rollouts run on the in-process JaxEngine against a
+local sandbox server, which the launcher starts and stops. The run takes about 4 minutes on 2 cores.
 """
 
 import ml_collections
@@ -23,63 +43,71 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.remat_policy = "none"
     c.model.attention_impl = "xla"
+    c.model.overrides.num_layers = 4
+    c.model.overrides.hidden_size = 128
+    c.model.overrides.num_heads = 4
+    c.model.overrides.num_kv_heads = 2
+    c.model.overrides.head_dim = 32
+    c.model.overrides.intermediate_size = 384
     c.model.overrides.max_position_embeddings = 1024
 
     c.tokenizer.kind = "byte"
 
     c.data.synthetic.enabled = True
+    c.data.synthetic.kinds = ("product",)
+    c.data.synthetic.difficulty = 1  # two-digit factors: four-digit products
     c.data.synthetic.num_train = 512
-    c.data.synthetic.num_eval = 16
-    c.data.synthetic.difficulty = 1
-    # One-line `pow` programs a 2-layer byte model learns to write in a short warm-up; last-digit
-    # problems have one-digit answers, so even the weak warmed-up policy solves some and its groups
-    # are mixed: RoC keeps them and RL has a signal from the first step.
-    c.data.synthetic.kinds = ("last_digit_power", "modular_power")
+    c.data.synthetic.num_eval = 128
+    # (conversations, weights over (direct, tool, fix)) per SFT stage; see the docstring.
+    c.data.synthetic.sft_stages = ((2800, (0.0, 1.0, 0.0)), (600, (0.5, 0.25, 0.25)))
     c.data.num_prompts_per_step = 4
 
-    c.rollout.template = "compact"
+    c.rollout.template = "bare"
+    c.rollout.tool_name = "python"  # the tool's name is written in every call: short is cheap
     c.rollout.rollouts_per_prompt = 8
-    c.rollout.max_turns = 2
+    c.rollout.max_turns = 3
     c.rollout.response_budget = 448
-    c.rollout.max_prompt_length = 384
+    c.rollout.max_prompt_length = 64
     # The paper's bare-stdout observations: short, and free of timings, so the run is reproducible
     # token for token (and resumes exactly).
     c.rollout.observation_style = "paper"
     c.rollout.observation_max_chars = 64
     c.rollout.max_concurrency = 32
     c.rollout.engine.slots = 32
-    c.rollout.engine.max_length = 832
+    c.rollout.engine.max_length = 512
 
     c.rl.group_size = 4
     c.rl.logprob_chunk_size = 256
-    c.rl.micro_batch_tokens = 6656  # eight whole trajectories
+    c.rl.micro_batch_tokens = 4096  # eight whole trajectories
 
-    c.optim.lr = 1e-4  # a tiny model needs a far larger step than the 14B recipe
+    c.optim.lr = 3e-4  # a tiny model needs a far larger step than the 14B recipe; 1e-3 collapses
     c.optim.warmup_steps = 1
 
-    c.train.steps = 4
-    c.train.eval_every = 0
+    c.train.steps = 20
+    c.train.eval_every = 10
     c.train.log_every = 1
 
     c.sft.before_rl = True
-    # ~380 small steps teach the format: ~97% of greedy first turns are well-formed tool calls after
-    # two epochs (tests/test_sft.py measures the rate on a shorter warm-up).
-    c.sft.epochs = 3
+    c.sft.epochs = 1  # every conversation a new problem (see the docstring)
     c.sft.lr = 1e-2
+    c.sft.schedule = "wsd"
+    c.sft.decay_ratio = 0.2  # the second stage's 150 steps and the 20 before them
     c.sft.batch_size = 4
-    c.sft.micro_batch_tokens = 3072  # four rows of 768: one conversation per row
-    c.sft.max_length = 768
+    # Rows of 512 tokens, two per micro-batch: four tool-only conversations (~250 tokens) pack into
+    # one micro-batch and the step's other, empty one is skipped.
+    c.sft.max_length = 512
+    c.sft.micro_batch_tokens = 1024
 
     c.sandbox.launch_local = True
     c.sandbox.workers = 2
     c.sandbox.memory_mb = 512
     c.sandbox.verify_via = "local"
 
-    c.checkpoint.every_steps = 2
+    c.checkpoint.every_steps = 10
     c.checkpoint.max_to_keep = 2
-    c.checkpoint.export_hf_every = 2
+    c.checkpoint.export_hf_every = 10
 
     c.eval.k = 2
-    c.eval.max_turns = 2
+    c.eval.max_turns = 3
     c.eval.response_budget = 448
     return c

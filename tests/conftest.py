@@ -48,11 +48,20 @@ def shared_dir() -> pathlib.Path:
     return SHARED_DIR
 
 
+# The default task shrunk for tests that only need the pipeline: one-digit answers (a weakly
+# warmed-up policy guesses some right, so its rollout groups are mixed and every RL step has a
+# signal) and a short held-out set, evaluated only where a test asks for it. Runs that start from the
+# tiny run's warm-up export take these too, so the policy meets the problems it was warmed up on.
+TINY_TEST_TASK = ("--config.data.synthetic.kinds=('last_digit_power',)", "--config.data.synthetic.num_eval=16",
+                  "--config.train.eval_every=0")
 # The embedded default run (configs/tiny.py: SFT warm-up, then GRPO-RoC against a local sandbox
-# and the JaxEngine), shortened to keep CI fast: two SFT epochs (enough for well-formed tool calls)
-# and three RL steps. Run once per session as users run it (a subprocess on one CPU device) and
-# shared by the launcher, SFT and notebook tests.
-TINY_RUN_OVERRIDES = ("--config.sft.epochs=2", "--config.train.steps=3", "--config.checkpoint.every_steps=1",
+# and the JaxEngine), shortened to keep CI fast: 160 SFT steps in the default's two stages (enough
+# for well-formed tool calls and answers) and three RL steps, evaluated at steps 0 and 3. Run once per
+# session as users run it (a subprocess on one CPU device) and shared by the launcher, SFT and
+# notebook tests. The default run itself, with its learning, runs in CI as the README's command.
+TINY_SFT_STAGES = ((480, (0.0, 1.0, 0.0)), (160, (0.25, 0.5, 0.25)))
+TINY_RUN_OVERRIDES = (*TINY_TEST_TASK, f"--config.data.synthetic.sft_stages={TINY_SFT_STAGES}",
+                      "--config.train.steps=3", "--config.train.eval_every=3", "--config.checkpoint.every_steps=1",
                       "--config.checkpoint.export_hf_every=3")
 
 

@@ -103,11 +103,12 @@ def test_reset_optimizer_max_to_keep_and_errors(mesh, tmp_path):
     from rstar_jax.train import builders
 
     config = load_config_file(REPO_CONFIGS / "tiny.py")
-    config.update_from_flattened_dict({"run_dir": str(tmp_path / "run"), "checkpoint.export_hf_every": 3})
+    config.update_from_flattened_dict({"run_dir": str(tmp_path / "run"), "checkpoint.every_steps": 2,
+                                       "checkpoint.export_hf_every": 3})
     with builders.checkpointer(config, model) as ckpt:
         for step in range(1, 7):
             ckpt.save(step, model=model)
-        assert ckpt.all_steps() == [4, 6]  # tiny: every 2 steps, keep 2
+        assert ckpt.all_steps() == [4, 6]  # every 2 steps, keep 2 (tiny)
     # Saves on multiples of 2, HF exports on those of 3 too: step 6 only.
     assert sorted(p.name for p in (tmp_path / "run" / "hf").iterdir()) == ["step_6"]
     assert (tmp_path / "run" / "hf" / "step_6" / "model.safetensors").is_file()

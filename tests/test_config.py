@@ -120,8 +120,10 @@ def test_every_recipe_value_cites_the_spec():
 def test_tiny_config_describes_a_tiny_model():
     config = _load("tiny")
     model = Qwen3Config.from_config(config)
-    assert model.num_layers == 2 and model.max_position_embeddings == 1024
-    assert config.mode == "rl" and config.rollout.template == "compact"
+    assert (model.num_layers, model.hidden_size, model.max_position_embeddings) == (4, 128, 1024)
+    assert config.mode == "rl" and config.rollout.template == "bare" and config.data.synthetic.kinds == ("product",)
+    # Held-out evaluation where RL starts, midway and at the end.
+    assert (config.train.steps, config.train.eval_every) == (20, 10)
     assert config.tokenizer.kind == "byte" and config.data.synthetic.enabled and config.sft.before_rl
     assert config.sandbox.launch_local and config.rollout.backend == "jax"
     # The RL run it describes needs no input files: everything is synthetic.
@@ -150,7 +152,8 @@ def test_tiny_config_describes_a_tiny_model():
     ({"data.on_bad_row": "ignore"}, r"config.data.on_bad_row: must be one of \('error', 'skip'\)"),
     ({"data.answer_key": "a..b"}, r"config.data.answer_key: must be 'auto' or a dotted path"),
     ({"data.synthetic.kinds": ("nope",)}, r"config.data.synthetic.kinds: unknown kind 'nope'"),
-    ({"optim.schedule": "linear"}, r"config.optim.schedule: must be one of \('constant', 'cosine'\)"),
+    ({"optim.schedule": "linear"}, r"config.optim.schedule: must be one of \('constant', 'cosine', 'wsd'\)"),
+    ({"sft.decay_ratio": 0.0}, r"config.sft.decay_ratio: must be in \(0, 1\], got 0.0"),
     ({"mesh.tensor": 0}, r"config.mesh.tensor: must be a positive integer or -1, got 0"),
     ({"mesh.data": -1}, r"config.mesh: at most one axis may be -1"),
     ({"mesh.rules": (("batch", "model"),)}, r"config.mesh.rules\[0\]: mesh axes must be None or names"),

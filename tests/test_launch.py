@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.conftest import TINY_SFT_STAGES, TINY_TEST_TASK
+
 pytestmark = pytest.mark.slow  # the launcher in subprocesses
 
 
@@ -30,7 +32,7 @@ def test_default_run_warms_up_with_sft_then_trains_with_grpo_roc(tiny_run):
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     sft = [r for r in lines if "sft/loss" in r]
     rl = [r for r in lines if "rollout/reward_mean" in r]
-    assert len(sft) == 2 * (512 // 4) and [r["step"] for r in rl] == [1, 2, 3]
+    assert len(sft) == sum(n for n, _ in TINY_SFT_STAGES) // 4 and [r["step"] for r in rl] == [1, 2, 3]
     assert sft[-1]["sft/loss"] < 0.5 * sft[0]["sft/loss"]
     for r in rl:
         assert r["roc/groups_total"] == 4 and 0.0 <= r["rollout/tool_error_rate"] <= 1.0
@@ -46,6 +48,15 @@ def test_default_run_warms_up_with_sft_then_trains_with_grpo_roc(tiny_run):
     for export in ("sft_warmup", "step_3", "final"):
         assert (run / "hf" / export / "model.safetensors").exists(), export
     assert list((run / "tb").glob("events.out.tfevents.*"))
+    # Held-out evaluation of the policy RL starts from and of the last step's, reported on the last line.
+    evaluations = {r["step"]: r for r in lines if "eval/pass@1" in r}
+    assert sorted(evaluations) == [0, 3]
+    for r in evaluations.values():
+        assert r["eval/num_problems"] == 16 and 0.0 <= r["eval/pass@1"] <= 1.0
+        assert {"eval/tool_calls_mean", "eval/tool_error_rate", "eval/tool_error_rate_positive",
+                "eval/response_length_mean"} <= r.keys()
+    last = tiny_run.stdout.strip().splitlines()[-1]
+    assert f"eval/pass@1 {evaluations[0]['eval/pass@1']:.3f} (step 0) -> {evaluations[3]['eval/pass@1']:.3f}" in last
 
 
 def test_invalid_override_is_rejected_before_work(tmp_path):
@@ -103,7 +114,7 @@ def test_rl_on_two_serve_servers_behind_the_kv_scheduler(tmp_path, tiny_run_dir)
     env_one_device = {"XLA_FLAGS": os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")}
     # From the warm policy this data order gives updates from step 1 (see test_resume.py).
     result = _launch(f"--config.run_dir={run}", f"--config.model.hf_path={tiny_run_dir / 'hf' / 'sft_warmup'}",
-                     "--config.sft.before_rl=False", "--config.train.steps=2", "--config.data.shuffle_seed=3",
+                     *TINY_TEST_TASK, "--config.sft.before_rl=False", "--config.train.steps=2", "--config.data.shuffle_seed=3",
                      "--config.rollout.backend=sglang",
                      "--config.rollout.local_servers=2", "--config.metrics.progress_bar=false", cwd=tmp_path,
                      env=env_one_device)

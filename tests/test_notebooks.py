@@ -90,8 +90,8 @@ def rl_steps(run_dir) -> int:
 
 def test_training_dynamics(tiny_run_dir):
     nb = execute("training_dynamics", RUN_DIR=str(tiny_run_dir))
-    # reward, length/truncation, groups, update, lr, SFT loss
-    assert len(outputs(nb, "image/png")) == 6
+    # reward, length/truncation, groups, update, lr, SFT loss, held-out evaluation (steps 0 and 3)
+    assert len(outputs(nb, "image/png")) == 7 and "no held-out evaluations" not in text(nb)
     sft_steps = sum("sft/loss" in line for line in read_metrics(tiny_run_dir))
     assert sft_steps > 0 and f"{sft_steps} SFT steps, {rl_steps(tiny_run_dir)} RL steps" in text(nb)
 
@@ -101,7 +101,7 @@ def test_training_dynamics_with_stages(tiny_run_dir, tmp_path):
     second.mkdir()
     shutil.copy(tiny_run_dir / "metrics.jsonl", second / "metrics.jsonl")
     nb = execute("training_dynamics", RUN_DIRS=[str(tiny_run_dir), str(second)], SMOOTH=2)
-    assert len(outputs(nb, "image/png")) == 6
+    assert len(outputs(nb, "image/png")) == 7
     n = rl_steps(tiny_run_dir)
     assert text(nb).count(f" {n} RL steps") == 2
     stage = runs.load_run(tiny_run_dir).stage

@@ -20,6 +20,7 @@ from safetensors.numpy import load_file
 
 from rstar_jax.rollout.records import iter_rollouts
 from rstar_jax.train.metrics import read_metrics
+from tests.conftest import TINY_TEST_TASK
 
 pytestmark = pytest.mark.slow  # killed and resumed launcher subprocesses
 
@@ -79,7 +80,7 @@ def warm_policy(tiny_run_dir) -> pathlib.Path:
 # With this data order both steps from the warm policy keep mixed groups and update (on our
 # machines): killing after the step-1 checkpoint makes step 2 an update on restored parameters
 # *and* Adam moments.
-RL = ("--config.sft.before_rl=false", "--config.train.steps=2", "--config.checkpoint.every_steps=1",
+RL = (*TINY_TEST_TASK, "--config.sft.before_rl=false", "--config.train.steps=2", "--config.checkpoint.every_steps=1",
       "--config.data.shuffle_seed=3")
 
 
@@ -111,7 +112,7 @@ def test_rl_run_killed_and_resumed_matches_the_uninterrupted_run_bitwise(tmp_pat
         assert x.get("update/loss") == y.get("update/loss")
 
 
-SFT = ("--config.mode=sft", "--config.sft.epochs=1", "--config.data.synthetic.num_train=48",
+SFT = ("--config.mode=sft", "--config.sft.epochs=1", "--config.data.synthetic.sft_stages=((32,(0,1,0)),(16,(0.4,0.3,0.3)))",
        "--config.checkpoint.every_steps=4", "--config.checkpoint.export_hf_every=0")
 
 
@@ -128,13 +129,13 @@ def test_sft_run_killed_and_resumed_matches_the_uninterrupted_run_bitwise(tmp_pa
            list(range(1, 13))
     losses = [m["sft/loss"] for m in read_metrics(straight)]
     assert losses == [m["sft/loss"] for m in read_metrics(resumed)]
-    assert json.loads((straight / "data" / "sft.jsonl").read_text().splitlines()[0])["messages"]
+    assert json.loads((straight / "data" / "sft_0.jsonl").read_text().splitlines()[0])["messages"]
 
 
 def test_next_stage_starts_from_the_previous_stages_checkpoint(tmp_path):
     """`train.init_from` (stage 2 and 3 configs): the policy comes from the previous stage's latest
     checkpoint, not from the stage's own initialisation; stage 3 resets the optimizer."""
-    short = ("--config.sft.before_rl=false", "--config.rollout.response_budget=32",
+    short = ("--config.sft.before_rl=false", "--config.train.eval_every=0", "--config.rollout.response_budget=32",
              "--config.data.num_prompts_per_step=2", "--config.train.steps=1")
     previous, following = tmp_path / "stage1" / "run", tmp_path / "stage2" / "run"
     previous.parent.mkdir()
