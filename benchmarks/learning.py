@@ -1,0 +1,164 @@
+"""Does RL with the tool teach anything? GRPO-RoC beside GRPO with the tool and beside no tool.
+
+    python benchmarks/learning.py                       # configs/tiny.py, 3 seeds, every variant
+    python benchmarks/learning.py --seeds 5 --steps 60 --out runs/learning
+
+Every seed warms up one policy with the default run's SFT (`--config.mode=sft`), then each variant
+trains it with RL from the same weights on the same data, for the same steps and prompts per step,
+through `python -m rstar_jax.launch` as a user runs it, evaluating the held-out problems (same
+questions, same samples drawn per question) at step 0, every `--eval-every` steps and at the end:
+
+- `roc`: GRPO-RoC as configured (2G rollouts per prompt, RoC keeps G);
+- `grpo`: GRPO with the tool and no resampling (G rollouts per prompt, all kept);
+- `no_tool`: the tool left out of the prompt and never executed (`rollout.tools=False`).
+
+Printed and written to `<out>/learning.json` (every curve of every seed, and the mean and standard
+deviation over seeds) and `<out>/learning.png`: held-out pass@1, the tool-error rate of positive
+trajectories (paper Fig. 4), tool calls per trajectory and response length, against the RL step;
+and every step's rollouts: reward and positive tool-error rate (for RoC, of all 2G sampled). Runs
+already finished in `--out` are read again, not repeated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+VARIANTS = {
+    "roc": [],
+    "grpo": ["--config.rollout.rollouts_per_prompt={group}"],
+    "no_tool": ["--config.rollout.tools=False"],
+}
+CURVES = ("eval/pass@1", "eval/tool_error_rate_positive", "eval/tool_calls_mean", "eval/response_length_mean")
+# Every step's rollouts (for RoC: all 2G sampled, before it keeps G): what the update learns from.
+ROLLOUT_CURVES = ("rollout/reward_mean", "rollout/tool_error_rate_positive")
+
+
+def launch(args: list[str], log: pathlib.Path) -> float:
+    """Runs the launcher; returns its wall time. One CPU device, as users run it."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        done = subprocess.run([sys.executable, "-m", "rstar_jax.launch", *args], cwd=REPO, env=env, stdout=f,
+                              stderr=subprocess.STDOUT)
+    if done.returncode:
+        raise SystemExit(f"launcher failed ({done.returncode}), see {log}")
+    return time.perf_counter() - t0
+
+
+def curves(run_dir: pathlib.Path) -> dict[str, list[float]]:
+    """The held-out evaluations' curves against `step`, the rollouts' against `rollout_step`
+    (NaN where a step had no positive trajectory)."""
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = sorted((line for line in lines if "eval/pass@1" in line), key=lambda line: line["step"])
+    steps = sorted((line for line in lines if "rollout/reward_mean" in line), key=lambda line: line["step"])
+    return {"step": [line["step"] for line in evals], **{name: [line[name] for line in evals] for name in CURVES},
+            "rollout_step": [line["step"] for line in steps],
+            **{name: [line.get(name, float("nan")) for line in steps] for name in ROLLOUT_CURVES}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "tiny.py"))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=0, help="RL steps (0: the config's train.steps)")
+    parser.add_argument("--eval-every", type=int, default=0, help="0: the config's train.eval_every")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--out", default=str(REPO / "runs" / "learning"))
+    args = parser.parse_args()
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(REPO))
+    from rstar_jax.config import load_config_file
+
+    config = load_config_file(args.config)
+    steps = args.steps or config.train.steps
+    eval_every = args.eval_every or config.train.eval_every or steps
+    common = [f"--config={args.config}", "--config.metrics.progress_bar=false"]
+    shown = os.path.relpath(args.config, REPO) if pathlib.Path(args.config).resolve().is_relative_to(REPO) else args.config
+    results: dict = {"config": shown, "steps": steps, "eval_every": eval_every, "runs": {}}
+    for seed in range(args.seeds):
+        warm_dir = out / f"sft_seed{seed}"
+        if not (warm_dir / "hf" / "final" / "config.json").exists():
+            seconds = launch([*common, "--config.mode=sft", f"--config.seed={seed}", f"--config.run_dir={warm_dir}",
+                              "--config.checkpoint.export_hf_every=0",
+                              f"--config.checkpoint.every_steps={10 ** 6}"], out / f"sft_seed{seed}.log")
+            print(f"seed {seed}: SFT warm-up {seconds:.0f}s", flush=True)
+        for variant in args.variants.split(","):
+            run_dir = out / f"{variant}_seed{seed}"
+            extra = [a.format(group=config.rl.group_size) for a in VARIANTS[variant]]
+            if (run_dir / "hf" / "final" / "config.json").exists():  # finished earlier: report it again
+                seconds = float("nan")
+            else:
+                seconds = launch([*common, *extra, f"--config.seed={seed}", f"--config.run_dir={run_dir}",
+                                  f"--config.model.hf_path={warm_dir / 'hf' / 'final'}", "--config.sft.before_rl=False",
+                                  f"--config.train.steps={steps}", f"--config.train.eval_every={eval_every}"],
+                                 out / f"{variant}_seed{seed}.log")
+            run = curves(run_dir)
+            results["runs"].setdefault(variant, []).append({"seed": seed, "seconds": seconds, **run})
+            print(f"seed {seed} {variant:8s} pass@1 {run['eval/pass@1'][0]:.3f} -> {run['eval/pass@1'][-1]:.3f}"
+                  f"  positive tool-error rate {run['eval/tool_error_rate_positive'][0]:.3f} -> "
+                  f"{run['eval/tool_error_rate_positive'][-1]:.3f}  ({seconds:.0f}s)", flush=True)
+    summary = {}
+    for variant, runs in results["runs"].items():
+        summary[variant] = {"step": runs[0]["step"], "rollout_step": runs[0]["rollout_step"]}
+        for name in CURVES + ROLLOUT_CURVES:
+            values = np.asarray([r[name] for r in runs], np.float64)
+            with warnings.catch_warnings():  # a step with no positive trajectory in any seed stays NaN
+                warnings.simplefilter("ignore", RuntimeWarning)
+                summary[variant][name] = {"mean": np.nanmean(values, 0).tolist(), "std": np.nanstd(values, 0).tolist()}
+    results["summary"] = summary
+    (out / "learning.json").write_text(json.dumps(_nan_to_none(results), indent=1))
+    print(f"\n{'variant':8s} {'seeds':>5s} {'pass@1 step 0':>14s} {'pass@1 final':>16s} {'pos. tool err final':>20s}")
+    for variant, s in summary.items():
+        p, e = s["eval/pass@1"], s["eval/tool_error_rate_positive"]
+        print(f"{variant:8s} {len(results['runs'][variant]):5d} {p['mean'][0]:8.3f}±{p['std'][0]:.3f} "
+              f"{p['mean'][-1]:10.3f}±{p['std'][-1]:.3f} {e['mean'][-1]:14.3f}±{e['std'][-1]:.3f}")
+    plot(summary, out / "learning.png")
+    print(f"\n{out / 'learning.json'}\n{out / 'learning.png'}")
+
+
+def _nan_to_none(tree):
+    """Strict JSON: NaN (no positive trajectory at that step, or a run read again) becomes null."""
+    if isinstance(tree, dict):
+        return {k: _nan_to_none(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_nan_to_none(v) for v in tree]
+    return None if isinstance(tree, float) and np.isnan(tree) else tree
+
+
+def plot(summary: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    titles = {"eval/pass@1": "held-out pass@1", "eval/tool_error_rate_positive": "held-out: tool-error rate, positive",
+              "eval/tool_calls_mean": "held-out: tool calls per trajectory",
+              "eval/response_length_mean": "held-out: response length (tokens)",
+              "rollout/reward_mean": "rollouts: reward", "rollout/tool_error_rate_positive": "rollouts: tool-error rate, positive"}
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7), sharex=True)
+    for ax, name in zip(axes.T.flat, CURVES + ROLLOUT_CURVES):
+        for variant, s in summary.items():
+            x = np.asarray(s["rollout_step" if name in ROLLOUT_CURVES else "step"])
+            mean, std = np.asarray(s[name]["mean"]), np.asarray(s[name]["std"])
+            ax.plot(x, mean, marker="o", label=variant)
+            ax.fill_between(x, mean - std, mean + std, alpha=0.2)
+        ax.set_title(titles[name])
+        ax.set_xlabel("RL step")
+    axes.flat[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
