@@ -106,6 +106,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.checkpoint.every_steps = 10
     c.checkpoint.max_to_keep = 2
     c.checkpoint.export_hf_every = 10
+    c.checkpoint.export_dtype = ""  # float32, as trained: a stage that starts from an export continues exactly
 
     c.eval.k = 2
     c.eval.max_turns = 3

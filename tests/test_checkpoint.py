@@ -7,6 +7,7 @@ import optax
 import pytest
 from flax import nnx
 
+from rstar_jax.agent.tokenizer import ByteTokenizer
 from rstar_jax.model.qwen3 import Qwen3Config
 from rstar_jax.parallel import create_sharded_model, make_mesh
 from rstar_jax.train.checkpoint import Checkpointer, CheckpointError
@@ -105,7 +106,7 @@ def test_reset_optimizer_max_to_keep_and_errors(mesh, tmp_path):
     config = load_config_file(REPO_CONFIGS / "tiny.py")
     config.update_from_flattened_dict({"run_dir": str(tmp_path / "run"), "checkpoint.every_steps": 2,
                                        "checkpoint.export_hf_every": 3})
-    with builders.checkpointer(config, model) as ckpt:
+    with builders.checkpointer(config, model, ByteTokenizer()) as ckpt:
         for step in range(1, 7):
             ckpt.save(step, model=model)
         assert ckpt.all_steps() == [4, 6]  # every 2 steps, keep 2 (tiny)

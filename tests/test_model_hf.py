@@ -189,3 +189,64 @@ def test_config_field_validation():
     assert Qwen3Config.tiny(attention_impl="cudnn", dtype="bfloat16").attention_impl == "cudnn"
     with pytest.raises(ValueError, match="unknown model preset"):
         Qwen3Config.preset("qwen3-15b")
+
+
+def _chat_tokenizer_files(directory) -> dict:
+    """A ChatML tokenizer (tokenizer.json and tokenizer_config.json, as a Hub checkpoint has them) and a
+    generation config with a sampling default; returns the special ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz <>/\n")}
+    tok = Tokenizer(models.WordLevel(vocab={**vocab, "[UNK]": len(vocab)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
+    (directory / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "eos_token_id": 151643}))
+    return {name: tok.token_to_id(name) for name in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+
+
+def test_a_runs_export_is_a_whole_checkpoint(tmp_path):
+    """The run's HF export (`builders.export_hf`) carries the source checkpoint's tokenizer files and a
+    generation config that stops on <|im_end|> and <|endoftext|>, in bf16 by default: transformers
+    loads model, tokenizer and generation config from it, and so does the next stage."""
+    from rstar_jax.agent.tokenizer import load_tokenizer
+    from rstar_jax.config import REPO_CONFIGS, load_config_file
+    from rstar_jax.train import builders
+
+    source = tmp_path / "source"
+    _hf_model(tied=False, rope_theta=10_000.0).save_pretrained(source)
+    special = _chat_tokenizer_files(source)
+    config = load_config_file(REPO_CONFIGS / "base.py")
+    config.update_from_flattened_dict({"model.hf_path": str(source), "tokenizer.kind": "hf"})
+    assert config.checkpoint.export_dtype == "bfloat16"
+    tokenizer = builders.tokenizer(config)
+    model = load_pretrained(source)
+    out = builders.export_hf(config, model, tokenizer, tmp_path / "run" / "hf" / "final")
+
+    generation = transformers.GenerationConfig.from_pretrained(out)
+    assert generation.eos_token_id == [special["<|im_end|>"], special["<|endoftext|>"]]
+    assert generation.temperature == 0.6  # the source's sampling defaults are kept
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(out)
+    assert hf_tokenizer.convert_tokens_to_ids("<|im_end|>") == special["<|im_end|>"] == hf_tokenizer.eos_token_id
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert reloaded.config.dtype == torch.bfloat16 and json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    ours = load_pretrained(out)
+    for name in ("embed", "q_proj", "down_proj"):
+        exact = np.asarray(getattr(model, name)[...], np.float32)
+        assert np.array_equal(np.asarray(getattr(ours, name)[...], np.float32),
+                              exact.astype(jnp.bfloat16).astype(np.float32)), name
+    # The next stage reads its tokenizer from the export (tokenizer.path defaults to model.hf_path).
+    follow = config.copy_and_resolve_references()
+    follow.model.hf_path = str(out)
+    assert builders.tokenizer(follow).encode("<|im_start|>ab<|im_end|>") == tokenizer.encode("<|im_start|>ab<|im_end|>")
+    assert load_tokenizer("hf", out).eos_id == special["<|im_end|>"]
+
+    # As trained ("" = param_dtype), and the byte tokenizer: nothing to copy, its own stop ids.
+    config.update_from_flattened_dict({"checkpoint.export_dtype": "", "tokenizer.kind": "byte"})
+    plain = builders.export_hf(config, model, builders.tokenizer(config), tmp_path / "plain")
+    assert sorted(p.name for p in plain.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert json.loads((plain / "generation_config.json").read_text()) == {"eos_token_id": [258, 256]}
+    assert json.loads((plain / "config.json").read_text())["dtype"] == "float32"

@@ -544,6 +544,9 @@ def _check_values(check: Checker) -> None:
         check.require(s.launch_local or len(targets) > 0, "sandbox.targets",
                       "tool calls need a sandbox: list targets or set sandbox.launch_local=True")
     every_ok = check.positive_int("checkpoint.every_steps")
+    export_dtype = config.checkpoint.export_dtype
+    check.require(export_dtype == "" or export_dtype in ("bfloat16", "float16", "float32"), "checkpoint.export_dtype",
+                  f"must be '' (the model's param_dtype), 'bfloat16', 'float16' or 'float32', got {export_dtype!r}")
     check.positive_int("checkpoint.max_to_keep")
     if check.positive_int("checkpoint.export_hf_every", allow_zero=True) and every_ok:
         export_every, every = config.checkpoint.export_hf_every, config.checkpoint.every_steps

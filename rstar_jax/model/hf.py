@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import struct
 from typing import Iterable, Sequence
 
@@ -336,16 +337,27 @@ def hf_tensors(model: Qwen3, dtype: DTypeLike | None = None) -> Iterable[tuple[s
             yield m.hf_key, np.ascontiguousarray(_to_hf(m.layout, value).astype(out_dtype))
 
 
+# What transformers, SGLang and our HF tokenizer read from a checkpoint directory.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "vocab.json", "merges.txt", "chat_template.jinja")
+
+
 def save_pretrained(
     model: Qwen3,
     path: str | os.PathLike,
     *,
     dtype: DTypeLike | None = None,
     max_shard_bytes: int = 4 << 30,
+    tokenizer_dir: str | os.PathLike | None = None,
+    stop_token_ids: Sequence[int] = (),
 ) -> pathlib.Path:
     """Writes config.json, generation_config.json and safetensors (sharded with an index when large).
 
     `dtype`: the tensors' dtype, a name or a JAX/NumPy dtype (default `config.param_dtype`).
+    `tokenizer_dir`: its tokenizer files (`TOKENIZER_FILES`) are copied beside the weights, so the
+    directory is a whole checkpoint for the next stage, transformers and SGLang; its
+    generation_config.json, if any, is kept (sampling defaults) with `stop_token_ids` as eos.
+    `stop_token_ids`: the chat model's stop tokens (`<|im_end|>`, `<|endoftext|>`), generation's eos.
     """
     config = model.config
     out_dtype = config.param_dtype if dtype is None else dtype_name(dtype, "save_pretrained.dtype")
@@ -397,9 +409,20 @@ def save_pretrained(
         }
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (path / "config.json").write_text(json.dumps(config.to_hf_dict(out_dtype), indent=2))
-    (path / "generation_config.json").write_text(json.dumps({"_from_model_config": True}, indent=2))
+    generation: dict = {"_from_model_config": True}
+    if tokenizer_dir is not None:
+        source = pathlib.Path(tokenizer_dir)
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file() and (source / name).resolve() != (path / name).resolve():
+                shutil.copyfile(source / name, path / name)
+        if (source / "generation_config.json").is_file():
+            generation = json.loads((source / "generation_config.json").read_text())
+    if stop_token_ids:
+        generation = {k: v for k, v in generation.items() if k != "_from_model_config"}
+        generation["eos_token_id"] = [int(i) for i in stop_token_ids]
+    (path / "generation_config.json").write_text(json.dumps(generation, indent=2))
     return path
 
 
-__all__ = ["HF_PARAM_MAP", "ParamMapping", "CheckpointError", "SafetensorsReader", "write_safetensors",
+__all__ = ["TOKENIZER_FILES", "HF_PARAM_MAP", "ParamMapping", "CheckpointError", "SafetensorsReader", "write_safetensors",
            "load_config", "load_pretrained", "save_pretrained", "hf_tensors"]

@@ -28,7 +28,7 @@ from jax.sharding import Mesh
 
 from rstar_jax.agent.reward import make_scorer
 from rstar_jax.agent.template import ChatTemplate
-from rstar_jax.agent.tokenizer import Tokenizer, load_tokenizer
+from rstar_jax.agent.tokenizer import ENDOFTEXT, Tokenizer, load_tokenizer
 from rstar_jax.agent.tool_calls import format_observation
 from rstar_jax.data.datasets import LoadReport, PromptIterator, load_examples
 from rstar_jax.data.synthetic import prepare_synthetic_data, write_held_out
@@ -222,11 +222,34 @@ def metrics_writer(config) -> MetricsWriter:
     return MetricsWriter(config.run_dir, tensorboard=config.metrics.tensorboard, jsonl=config.metrics.jsonl)
 
 
-def checkpointer(config, model: Qwen3) -> Checkpointer:
-    """`<run_dir>/checkpoints`; HF exports (the live model) to `<run_dir>/hf/step_N`."""
+def stop_token_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The chat model's stop tokens: `<|im_end|>` (the tokenizer's eos), then `<|endoftext|>` where the
+    vocabulary has it."""
+    ids = [tokenizer.eos_id]
+    try:
+        ids.append(tokenizer.token_to_id(ENDOFTEXT))
+    except KeyError:
+        pass
+    return tuple(dict.fromkeys(ids))
+
+
+def export_hf(config, model: Qwen3, tokenizer: Tokenizer, path: str | os.PathLike) -> pathlib.Path:
+    """A run's HF export: `checkpoint.export_dtype`, the tokenizer files of an `hf` tokenizer (from
+    `tokenizer.path`, else `model.hf_path`) and a generation config stopping on `stop_token_ids`, so
+    the next stage, `evaluate`, transformers and SGLang can all start from the directory."""
+    source = config.tokenizer.path or config.model.hf_path
+    tokenizer_dir = None
+    if config.tokenizer.kind == "hf" and source:
+        tokenizer_dir = pathlib.Path(source) if pathlib.Path(source).is_dir() else pathlib.Path(source).parent
+    return save_pretrained(model, path, dtype=config.checkpoint.export_dtype or None, tokenizer_dir=tokenizer_dir,
+                           stop_token_ids=stop_token_ids(tokenizer))
+
+
+def checkpointer(config, model: Qwen3, tokenizer: Tokenizer) -> Checkpointer:
+    """`<run_dir>/checkpoints`; HF exports (the live model, `export_hf`) to `<run_dir>/hf/step_N`."""
     run_dir, c = pathlib.Path(config.run_dir), config.checkpoint
     return Checkpointer(run_dir / "checkpoints", max_to_keep=c.max_to_keep, async_save=c.async_save,
-                        save_every=c.every_steps, export_hf=lambda _, path: save_pretrained(model, path),
+                        save_every=c.every_steps, export_hf=lambda _, path: export_hf(config, model, tokenizer, path),
                         export_every=c.export_hf_every, export_dir=run_dir / "hf")
 
 
@@ -302,4 +325,5 @@ def weight_sync(config, resources: RolloutResources) -> WeightSync:
     """In-place swap for the in-process engine; HF export + `/update_weights_from_disk` for servers."""
     if resources.engine is not None:
         return EngineSync(resources.engine)
-    return DiskSync(resources.generators, pathlib.Path(config.run_dir) / "weights_sync", mode="wait")
+    return DiskSync(resources.generators, pathlib.Path(config.run_dir) / "weights_sync", mode="wait",
+                    dtype=config.checkpoint.export_dtype or None)

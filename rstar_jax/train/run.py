@@ -20,7 +20,6 @@ from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
 from rstar_jax.data.datasets import PromptIterator, read_conversations
 from rstar_jax.errors import ConfigError
-from rstar_jax.model.hf import save_pretrained
 from rstar_jax.train import builders
 from rstar_jax.train.checkpoint import Checkpointer, checkpoints_directory
 from rstar_jax.train.held_out import HeldOutEvaluation
@@ -37,7 +36,7 @@ def run_stage(config) -> dict:
     train_files, sft_files = builders.prepare_data(config)
     model, mesh = builders.build_policy(config)
     metrics = builders.metrics_writer(config)
-    checkpointer = builders.checkpointer(config, model)
+    checkpointer = builders.checkpointer(config, model, tokenizer)
     summary: dict = {}
     try:
         # A resumed RL run restores the policy from its checkpoint: the warm-up already happened.
@@ -48,12 +47,12 @@ def run_stage(config) -> dict:
             summary.update(run_sft(config, model, mesh, tokenizer, template, sft_files, metrics,
                                    checkpointer if config.mode == "sft" else None))
             if warm_up and config.checkpoint.export_hf_final:
-                save_pretrained(model, run_dir / "hf" / "sft_warmup")  # the policy RL starts from
+                builders.export_hf(config, model, tokenizer, run_dir / "hf" / "sft_warmup")  # the policy RL starts from
         if config.mode == "rl":
             summary.update(run_rl(config, model, mesh, tokenizer, template, train_files, metrics, checkpointer))
         if config.checkpoint.export_hf_final:
             # The next stage starts from here: `--config.model.hf_path=<run_dir>/hf/final`.
-            save_pretrained(model, run_dir / "hf" / "final")
+            builders.export_hf(config, model, tokenizer, run_dir / "hf" / "final")
     finally:
         checkpointer.close()
         metrics.close()
