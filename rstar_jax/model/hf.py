@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.typing import DTypeLike
 
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config, abstract_model, dtype_name
@@ -323,13 +324,21 @@ def load_pretrained(
 # Export
 # ---------------------------------------------------------------------------------------------
 
+def _host_value(x: jax.Array) -> np.ndarray:
+    """The whole array on this host. An array that spans several processes is all-gathered: every
+    process must call this for the same arrays in the same order."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
+
+
 def hf_tensors(model: Qwen3, dtype: DTypeLike | None = None) -> Iterable[tuple[str, np.ndarray]]:
     """Yields (hf_key, array) one tensor at a time, gathered to the host, in `dtype` (a name or a
     JAX/NumPy dtype; default `config.param_dtype`)."""
     config = model.config
     out_dtype = np.dtype(jnp.dtype(config.param_dtype if dtype is None else dtype_name(dtype, "hf_tensors.dtype")))
     for m in _param_mappings(config):
-        value = np.asarray(jax.device_get(getattr(model, m.param)[...]))
+        value = _host_value(getattr(model, m.param)[...])
         if m.stacked:
             for i in range(config.num_layers):
                 yield m.hf_key.format(i=i), np.ascontiguousarray(_to_hf(m.layout, value[i]).astype(out_dtype))
@@ -362,9 +371,13 @@ def save_pretrained(
     config = model.config
     out_dtype = config.param_dtype if dtype is None else dtype_name(dtype, "save_pretrained.dtype")
     path = pathlib.Path(path)
-    path.mkdir(parents=True, exist_ok=True)
     if jax.process_index() != 0:
-        return path  # one writer; every process still gathers so collectives stay matched
+        # One writer. Parameters that span hosts are gathered with a collective, so every process
+        # takes part in each gather, in the same order, and drops the result.
+        for _ in hf_tensors(model, out_dtype):
+            pass
+        return path
+    path.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, np.ndarray]] = [{}]
     sizes = [0]
     written: list[str] = []
