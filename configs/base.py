@@ -101,6 +101,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.observation_max_chars = 4096
     c.rollout.max_tool_calls_per_turn = 1  # spec §6.9: the release executes only the first call
     c.rollout.max_concurrency = 512  # trajectories in flight
+    # Before the first step, every generator must answer /health_generate and every sandbox Info
+    # within this many seconds (servers loading a 14B checkpoint take minutes).
+    c.rollout.ready_timeout_s = 900.0
     c.rollout.engine = ml_collections.ConfigDict()  # in-process JaxEngine
     c.rollout.engine.slots = 64  # concurrent sequences (max_running_requests)
     c.rollout.engine.max_length = 10240  # prompt + response budget

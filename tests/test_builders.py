@@ -2,6 +2,10 @@
 run uses (a real sandbox server on loopback)."""
 
 import asyncio
+import contextlib
+import http.server
+import threading
+import time
 
 import pytest
 
@@ -10,6 +14,31 @@ from rstar_jax.train import builders
 from rstar_jax.train.trainer import RLSettings
 
 ALLOCATE = "x = bytearray(192 << 20)\nprint(len(x))"
+
+
+@contextlib.contextmanager
+def health_server(unhealthy_calls: int = 0):
+    """A loopback HTTP server whose /health_generate answers 503 (a server still loading) for the
+    first `unhealthy_calls` calls, then 200; yields (url, calls so far)."""
+    calls = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802  (http.server's name)
+            calls.append(self.path)
+            self.send_response(503 if self.path == "/health_generate" and len(calls) <= unhealthy_calls else 200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", calls
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def _config(**overrides):
@@ -24,12 +53,12 @@ def test_sandbox_limits_and_the_verifier_timeout_reach_every_tool_call():
     sandbox.verify_timeout_s is the scorer's, whichever verifier scores."""
 
     async def run(config, targets):
-        async with builders.rollout_resources(config, targets, urls=["http://127.0.0.1:9"]) as resources:
+        async with builders.rollout_resources(config, targets, urls=[url]) as resources:
             result = await resources.client.execute(ALLOCATE)  # as rollout.loop calls it
             return result.status, resources.scorer.timeout_s
 
     tight = _config(**{"sandbox.memory_mb": 64, "sandbox.verify_timeout_s": 3.5})
-    with builders.sandbox(tight) as targets:
+    with builders.sandbox(tight) as targets, health_server() as (url, _):
         assert asyncio.run(run(tight, targets)) == ("memory_limit", 3.5)
         roomy = _config(**{"sandbox.memory_mb": 512, "sandbox.verify_via": "sandbox", "sandbox.verify_timeout_s": 7.0})
         assert asyncio.run(run(roomy, targets)) == ("ok", 7.0)
@@ -47,3 +76,43 @@ def test_the_policy_and_its_settings_follow_the_mesh():
     assert one.loop.temperature == config.rollout.temperature and one.roc.group_size == config.rl.group_size
     with pytest.raises(ConfigError, match=r"config\.mesh: data\*fsdp\*tensor = 8 but 16 devices are available"):
         builders.check_mesh(config, 16)
+
+
+@pytest.mark.slow
+def test_the_first_step_waits_for_servers_that_are_still_loading(tmp_path):
+    """Before the first weight sync, every generator must answer /health_generate and every sandbox
+    Info: a generator that answers 503 twice and a sandbox that starts a second late are waited for;
+    an endpoint that never answers ends the wait with an error naming it and the field."""
+    import socket
+
+    from sandbox_service.launcher import LocalSandbox
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        sandbox_port = s.getsockname()[1]
+    config = _config(**{"rollout.ready_timeout_s": 60.0})
+
+    async def ready(urls, targets) -> float:
+        t0 = time.monotonic()
+        async with builders.rollout_resources(config, targets, urls=urls):
+            return time.monotonic() - t0
+
+    late = LocalSandbox(workers=1, port=sandbox_port)
+    starter = threading.Timer(1.0, late.__enter__)
+    with health_server(unhealthy_calls=2) as (url, calls):
+        starter.start()
+        try:
+            waited = asyncio.run(ready([url], [f"127.0.0.1:{sandbox_port}"]))
+        finally:
+            starter.join()
+            late.__exit__(None, None, None)
+        assert calls.count("/health_generate") >= 3 and waited >= 1.0
+
+        with socket.socket() as s:  # a port nobody listens on
+            s.bind(("127.0.0.1", 0))
+            dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+        config.rollout.ready_timeout_s = 2.0
+        with LocalSandbox(workers=1) as sandbox, pytest.raises(ConfigError) as error:
+            asyncio.run(ready([url, dead], [sandbox.target]))
+        assert str(error.value) == (f"config.rollout.ready_timeout_s: not ready after 2 s: {dead} "
+                                    "(generators must answer /health_generate, sandboxes Info)")

@@ -154,6 +154,7 @@ def test_tiny_config_describes_a_tiny_model():
     ({"data.synthetic.kinds": ("nope",)}, r"config.data.synthetic.kinds: unknown kind 'nope'"),
     ({"optim.schedule": "linear"}, r"config.optim.schedule: must be one of \('constant', 'cosine', 'wsd'\)"),
     ({"sft.decay_ratio": 0.0}, r"config.sft.decay_ratio: must be in \(0, 1\], got 0.0"),
+    ({"rollout.ready_timeout_s": 0}, r"config.rollout.ready_timeout_s: must be > 0, got 0"),
     ({"checkpoint.export_dtype": "int8"}, r"config.checkpoint.export_dtype: must be '' \(the model's param_dtype\)"),
     ({"mesh.tensor": 0}, r"config.mesh.tensor: must be a positive integer or -1, got 0"),
     ({"mesh.data": -1}, r"config.mesh: at most one axis may be -1"),

@@ -543,6 +543,8 @@ def _check_values(check: Checker) -> None:
     if config.mode in ("rl", "eval") and check.ok("sandbox.targets"):
         check.require(s.launch_local or len(targets) > 0, "sandbox.targets",
                       "tool calls need a sandbox: list targets or set sandbox.launch_local=True")
+    check.require(_is_number(config.rollout.ready_timeout_s) and config.rollout.ready_timeout_s > 0,
+                  "rollout.ready_timeout_s", f"must be > 0, got {config.rollout.ready_timeout_s!r}")
     every_ok = check.positive_int("checkpoint.every_steps")
     export_dtype = config.checkpoint.export_dtype
     check.require(export_dtype == "" or export_dtype in ("bfloat16", "float16", "float32"), "checkpoint.export_dtype",

@@ -16,8 +16,10 @@ The settings dataclasses read their own sections (`LoopConfig.from_config`, `Roc
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -313,12 +315,40 @@ async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine
             resources.generators = [SGLangGenerator(url) for url in urls]
             kind = KvScheduler if config.rollout.scheduler == "kv" else RoundRobinScheduler
             resources.scheduler = kind(resources.generators)
+        await wait_until_ready(resources, config.rollout.ready_timeout_s)
         yield resources
     finally:
         scorer.close()
         await client.close()
         for generator in resources.generators:
             await generator.close()
+
+
+async def wait_until_ready(resources: RolloutResources, timeout_s: float, interval_s: float = 1.0) -> None:
+    """Waits until every generator server completes a generation (`/health_generate`) and every
+    sandbox server answers `Info`: a 14B server may load for minutes, and the first weight sync and
+    step must not fail on it. A ConfigError names the endpoints still not ready after `timeout_s`."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+
+    async def sandbox_ready(target: str) -> bool:
+        try:
+            await resources.client.info(target)
+            return True
+        except Exception:  # noqa: BLE001  (any failure to answer: not ready yet)
+            return False
+
+    waiting = {**{g.base_url: g.health for g in resources.generators},
+               **{t: functools.partial(sandbox_ready, t) for t in resources.client.targets}}
+    while True:
+        ready = await asyncio.gather(*(probe() for probe in waiting.values()))
+        waiting = {name: probe for (name, probe), ok in zip(waiting.items(), ready) if not ok}
+        if not waiting:
+            return
+        if loop.time() >= deadline:
+            raise ConfigError(f"config.rollout.ready_timeout_s: not ready after {timeout_s:g} s: {', '.join(waiting)} "
+                              f"(generators must answer /health_generate, sandboxes Info)")
+        await asyncio.sleep(min(interval_s, max(0.0, deadline - loop.time())))
 
 
 def weight_sync(config, resources: RolloutResources) -> WeightSync:
