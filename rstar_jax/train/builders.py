@@ -278,7 +278,8 @@ def local_servers(config, model: Qwen3) -> Iterator[list[str]]:
     if not r.local_servers:
         yield list(r.servers)
         return
-    initial = save_pretrained(model, pathlib.Path(config.run_dir) / "weights_sync")
+    initial = save_pretrained(model, pathlib.Path(config.run_dir) / "weights_sync",
+                              dtype=config.checkpoint.export_dtype or None)  # as every later sync
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(LocalServer(
             str(initial), slots=r.engine.slots, max_length=r.engine.max_length,
