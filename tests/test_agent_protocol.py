@@ -24,14 +24,12 @@ def test_byte_tokenizer_round_trip_and_specials():
 
 
 def test_hf_tokenizer_wrapper(tmp_path):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, models
 
+    from tests.agent_helpers import write_chatml_tokenizer
+
+    write_chatml_tokenizer(tmp_path)
     vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz <>/\n")}
-    tok = Tokenizer(models.WordLevel(vocab={**vocab, "[UNK]": len(vocab)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<|endoftext|>", IM_START, IM_END])
-    tok.save(str(tmp_path / "tokenizer.json"))
     hf = HFTokenizer(tmp_path)
     ids = hf.encode(f"{IM_START}ab{IM_END}")
     assert ids[0] == hf.token_to_id(IM_START) and ids[-1] == hf.eos_id

@@ -194,18 +194,13 @@ def test_config_field_validation():
 def _chat_tokenizer_files(directory) -> dict:
     """A ChatML tokenizer (tokenizer.json and tokenizer_config.json, as a Hub checkpoint has them) and a
     generation config with a sampling default; returns the special ids."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tests.agent_helpers import write_chatml_tokenizer
 
-    vocab = {c: i for i, c in enumerate("abcdefghijklmnopqrstuvwxyz <>/\n")}
-    tok = Tokenizer(models.WordLevel(vocab={**vocab, "[UNK]": len(vocab)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    tok.save(str(directory / "tokenizer.json"))
+    special = write_chatml_tokenizer(directory)
     (directory / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}))
     (directory / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "eos_token_id": 151643}))
-    return {name: tok.token_to_id(name) for name in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")}
+    return special
 
 
 def test_a_runs_export_is_a_whole_checkpoint(tmp_path):

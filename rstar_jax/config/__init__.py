@@ -40,7 +40,7 @@ from rstar_jax.agent.reward import SCORER_MODES
 from rstar_jax.agent.template import TEMPLATE_STYLES
 from rstar_jax.data.synthetic import BEHAVIOURS, GENERATORS
 from rstar_jax.errors import ConfigError, UserError  # noqa: F401  (re-exported)
-from rstar_jax.model.qwen3 import Qwen3Config
+from rstar_jax.model.qwen3 import DTYPE_NAMES, Qwen3Config
 from rstar_jax.parallel import MESH_AXES
 from rstar_jax.rl.loss import LossConfig
 from rstar_jax.rl.roc import RocConfig
@@ -546,9 +546,8 @@ def _check_values(check: Checker) -> None:
     check.require(_is_number(config.rollout.ready_timeout_s) and config.rollout.ready_timeout_s > 0,
                   "rollout.ready_timeout_s", f"must be > 0, got {config.rollout.ready_timeout_s!r}")
     every_ok = check.positive_int("checkpoint.every_steps")
-    export_dtype = config.checkpoint.export_dtype
-    check.require(export_dtype == "" or export_dtype in ("bfloat16", "float16", "float32"), "checkpoint.export_dtype",
-                  f"must be '' (the model's param_dtype), 'bfloat16', 'float16' or 'float32', got {export_dtype!r}")
+    check.require(config.checkpoint.export_dtype in ("", *DTYPE_NAMES), "checkpoint.export_dtype",
+                  f"must be '' (the model's param_dtype) or one of {DTYPE_NAMES}, got {config.checkpoint.export_dtype!r}")
     check.positive_int("checkpoint.max_to_keep")
     if check.positive_int("checkpoint.export_hf_every", allow_zero=True) and every_ok:
         export_every, every = config.checkpoint.export_hf_every, config.checkpoint.every_steps

@@ -21,6 +21,8 @@ import random
 import traceback
 from collections.abc import Callable, Collection, Sequence
 
+from rstar_jax.agent.tool_calls import STATUS_OK
+
 DEFAULT_TOOL_NAME = "python_code_with_standard_io"  # spec §2.2
 
 
@@ -279,7 +281,7 @@ def sft_conversation(problem: Problem, *, tool_name: str = DEFAULT_TOOL_NAME,
                      {"role": "tool", "content": render(ToolResult("runtime_error", stderr=_syntax_error(broken)))}]
     return messages + [
         {"role": "assistant", "content": tool_call_text(problem.solution, tool_name)},
-        {"role": "tool", "content": render(ToolResult("ok", stdout=stdout))},
+        {"role": "tool", "content": render(ToolResult(STATUS_OK, stdout=stdout))},
         {"role": "assistant", "content": answer},
     ]
 

@@ -373,9 +373,9 @@ def save_pretrained(
     path = pathlib.Path(path)
     if jax.process_index() != 0:
         # One writer. Parameters that span hosts are gathered with a collective, so every process
-        # takes part in each gather, in the same order, and drops the result.
-        for _ in hf_tensors(model, out_dtype):
-            pass
+        # takes part in each gather, in hf_tensors' order, and drops the result unconverted.
+        for m in _param_mappings(config):
+            _host_value(getattr(model, m.param)[...])
         return path
     path.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, np.ndarray]] = [{}]

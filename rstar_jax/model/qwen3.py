@@ -25,6 +25,7 @@ from jax.typing import DTypeLike
 from rstar_jax.errors import ConfigError
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPE_NAMES = tuple(sorted(_DTYPES))  # what a dtype may be named in configs and exports
 
 # Remat policies for the scanned decoder layer. "none" keeps every activation; "full" saves only the
 # layer input (recomputes the whole layer in the backward pass); "dots" / "dots_saveable" save every
@@ -534,5 +535,5 @@ def sequence_positions(segment_ids: jax.Array) -> jax.Array:
 
 __all__: Sequence[str] = (
     "Qwen3Config", "Qwen3", "PagedKVCache", "abstract_model", "param_logical_axes", "sequence_positions",
-    "dtype_name", "REMAT_POLICIES", "ATTENTION_IMPLS",
+    "dtype_name", "DTYPE_NAMES", "REMAT_POLICIES", "ATTENTION_IMPLS",
 )
