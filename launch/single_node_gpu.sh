@@ -14,7 +14,7 @@ python -m sandbox_service --host 127.0.0.1 --port "$SANDBOX_PORT" --workers "$SA
 SANDBOX_PID=$!
 trap 'kill $SANDBOX_PID 2>/dev/null || true' EXIT
 
-export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
+export XLA_CLIENT_MEM_FRACTION=${XLA_CLIENT_MEM_FRACTION:-0.92}
 python -m rstar_jax.launch --config="$CONFIG" \
   --config.run_dir="$RUN_DIR" \
   --config.sandbox.launch_local=False \

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from rstar_jax.cli import config_command
 from rstar_jax.config import DEFAULT_CONFIG
-from rstar_jax.parallel import maybe_initialize_distributed
+from rstar_jax.parallel import maybe_initialize_distributed, multihost
 from rstar_jax.train.held_out import run_evaluation
 from rstar_jax.train.run import run_stage
 
@@ -20,7 +20,8 @@ def run(config) -> None:
         run_evaluation(config)
         return
     maybe_initialize_distributed()
-    summary = run_stage(config)
+    with multihost.exit_job_on_failure():
+        summary = run_stage(config)
     line = " ".join(f"{k}={v:.4g}" for k, v in summary.items() if isinstance(v, float) and k in SUMMARY_KEYS)
     if "eval/pass@1_first" in summary:  # held-out pass@1 where RL started and where it ended
         line += (f" eval/pass@1 {summary['eval/pass@1_first']:.3f} (step {summary['eval/first_step']}) -> "

@@ -116,3 +116,20 @@ def test_the_first_step_waits_for_servers_that_are_still_loading(tmp_path):
             asyncio.run(ready([url, dead], [sandbox.target]))
         assert str(error.value) == (f"config.rollout.ready_timeout_s: not ready after 2 s: {dead} "
                                     "(generators must answer /health_generate, sandboxes Info)")
+
+
+def test_process_shares_cover_every_item_once_in_order():
+    from rstar_jax.parallel.multihost import share
+
+    for n in (0, 1, 5, 8, 13):
+        for count in (1, 2, 3, 8):
+            parts = [list(range(n))[share(n, i, count)] for i in range(count)]
+            assert [x for part in parts for x in part] == list(range(n))
+            assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_one_process_needs_no_collective():
+    from rstar_jax.parallel import multihost
+
+    assert multihost.is_writer() and multihost.allgather_json({"a": [1.5]}) == [{"a": [1.5]}]
+    assert builders.generation_share(["s0", "s1", "s2"]) == ["s0", "s1", "s2"]

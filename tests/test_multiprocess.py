@@ -1,11 +1,13 @@
 """Several JAX processes on one machine: two `jax.distributed` processes on 127.0.0.1 with 4 fake CPU
 devices each and gloo collectives form one 8-device mesh, as two hosts of a cluster would."""
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 import numpy as np
 import pytest
@@ -14,6 +16,8 @@ from safetensors.numpy import load_file
 from rstar_jax.model.hf import save_pretrained
 from rstar_jax.model.qwen3 import Qwen3Config
 from rstar_jax.parallel import create_sharded_model, make_mesh
+from rstar_jax.train.checkpoint import checkpoint_steps
+from tests.conftest import TINY_TEST_TASK
 
 pytestmark = pytest.mark.slow  # subprocesses
 
@@ -69,3 +73,93 @@ def test_hf_export_of_parameters_that_span_two_processes(tmp_path):
     a, b = load_file(str(tmp_path / "two" / "model.safetensors")), load_file(str(one / "model.safetensors"))
     assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
     assert (tmp_path / "two" / "config.json").read_text() == (one / "config.json").read_text()
+
+
+def _launch(run_dir, args, *, processes: int, port: int | None = None, env_extra: dict | None = None,
+            log_dir=None) -> list[subprocess.Popen]:
+    """`python -m rstar_jax.launch` as a cluster starts it: `processes` processes joined through
+    JAX_COORDINATOR_ADDRESS on 127.0.0.1, 8 // processes fake CPU devices each (one process: 8)."""
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // processes}",
+           "JAX_PLATFORMS": "cpu", **(env_extra or {})}
+    if processes > 1:
+        env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port or _free_port()}", JAX_NUM_PROCESSES=str(processes))
+    log_dir = log_dir or run_dir.parent
+    procs = []
+    for i in range(processes):
+        out = open(log_dir / f"{run_dir.name}.{i}.log", "a")  # per-process logs, as per-node logs on a cluster
+        procs.append(subprocess.Popen([sys.executable, "-m", "rstar_jax.launch", f"--config.run_dir={run_dir}", *args],
+                                      env={**env, "JAX_PROCESS_ID": str(i)}, stdout=out, stderr=subprocess.STDOUT,
+                                      text=True))
+    return procs
+
+
+def _wait(procs, timeout: float) -> list[int]:
+    try:
+        return [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+
+
+def _records(run_dir, step: int) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "rollouts" / f"step_{step:06d}.jsonl").read_text().splitlines()]
+
+
+def test_two_process_run_equals_the_one_process_run_and_resumes_after_a_kill(tiny_run_dir, tmp_path):
+    """The launcher over two jax.distributed processes x 4 CPU devices (one 8-device mesh, gloo)
+    against the same run in one process on 8 devices, RL from the tiny run's warm-up export:
+
+    - process 1 is killed after step 1's checkpoint; process 0 then ends (non-zero) within the
+      heartbeat bound instead of waiting in a collective; both restart and resume from step 1;
+    - every trajectory of every step equals the one-process run's token for token (the processes
+      generate their shares of the prompts with the same group ids and per-trajectory seeds, on
+      host-local engine replicas of the same weights), and metrics and rollout records are written
+      once per step;
+    - losses and the final HF export agree within float32 rounding: the gradient all-reduce crosses
+      processes through gloo, which sums the 8 shards in another order than XLA's in-process
+      all-reduce (last-bit differences, seen as 1e-7 relative in the gradient norm), and AdamW
+      carries them into the parameters at the scale of lr (3e-4) times that.
+    """
+    args = [f"--config.model.hf_path={tiny_run_dir / 'hf' / 'sft_warmup'}", "--config.sft.before_rl=False",
+            *TINY_TEST_TASK, "--config.train.steps=3", "--config.train.eval_every=3",
+            "--config.checkpoint.every_steps=1", "--config.metrics.progress_bar=False"]
+    two, one = tmp_path / "two", tmp_path / "one"
+    procs = _launch(two, args, processes=2, env_extra={"JAX_HEARTBEAT_TIMEOUT_S": "10"})
+    deadline = time.monotonic() + 600
+    while not checkpoint_steps(two / "checkpoints") and time.monotonic() < deadline:
+        assert all(p.poll() is None for p in procs), (two.parent / "two.0.log").read_text()[-3000:]
+        time.sleep(0.5)
+    assert checkpoint_steps(two / "checkpoints") == [1]
+    procs[1].kill()
+    t0 = time.monotonic()
+    first = procs[0].wait(timeout=120)
+    bound_s = time.monotonic() - t0
+    assert first != 0 and bound_s < 60, (first, bound_s)
+
+    assert _wait(_launch(two, args, processes=2), 900) == [0, 0], (two.parent / "two.0.log").read_text()[-3000:]
+    assert "[rl] resumed from step 1" in (two.parent / "two.0.log").read_text()
+    assert _wait(_launch(one, args, processes=1), 900) == [0], (one.parent / "one.0.log").read_text()[-3000:]
+
+    for step in (1, 2, 3):
+        a, b = _records(two, step), _records(one, step)
+        assert [(r["group_id"], r["sample_index"]) for r in a] == [(r["group_id"], r["sample_index"]) for r in b]
+        assert [r["response_ids"] for r in a] == [r["response_ids"] for r in b], f"step {step}"
+    lines = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+    reference = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
+    steps = lambda records, key: [r["step"] for r in records if key in r]  # noqa: E731
+    assert steps(lines, "rollout/reward_mean") == [1, 2, 3] and steps(lines, "eval/pass@1") == [0, 3]
+    for key in ("rollout/reward_mean", "update/loss", "eval/pass@1"):
+        assert steps(lines, key) == steps(reference, key), key
+        np.testing.assert_allclose([r[key] for r in lines if key in r], [r[key] for r in reference if key in r],
+                                   rtol=1e-5, err_msg=key)
+    assert any(r.get("update/skipped") == 0 for r in lines), "no step made an update"
+
+    import torch
+    import transformers
+
+    exported = transformers.AutoModelForCausalLM.from_pretrained(two / "hf" / "final", torch_dtype=torch.float32)
+    assert exported.config.num_hidden_layers == 4
+    a, b = load_file(str(two / "hf" / "final" / "model.safetensors")), load_file(str(one / "hf" / "final" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_allclose(a[key], b[key], atol=1e-5, err_msg=key)

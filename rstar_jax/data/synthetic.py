@@ -16,6 +16,7 @@ import dataclasses
 import io
 import json
 import math
+import os
 import pathlib
 import random
 import traceback
@@ -183,21 +184,41 @@ def generate_problems(n: int, *, seed: int = 0, kinds: Sequence[str] = (), diffi
     return problems
 
 
+@contextlib.contextmanager
+def _written_whole(path: pathlib.Path):
+    """Yields a temporary path that replaces `path` once written: readers (another process of the
+    job writing the same deterministic file, a resumed run) never see a partial file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_problems(path: str | pathlib.Path, problems: Sequence[Problem], fmt: str = "auto") -> pathlib.Path:
     """Writes problems as jsonl (one row each), json (a list of {index, question, answer}, like the
     rStar eval files) or parquet (the rStar2 training layout: prompt / reward_model / extra_info)."""
     path = pathlib.Path(path)
     if fmt == "auto":
         fmt = path.suffix.lstrip(".")
-    path.parent.mkdir(parents=True, exist_ok=True)
     rows = [p.to_row(i) for i, p in enumerate(problems)]
+    if fmt not in ("jsonl", "json", "parquet"):
+        raise ValueError(f"write_problems: unknown format {fmt!r} for {path} (expected jsonl, json or parquet)")
+    with _written_whole(path) as tmp:
+        _write_rows(tmp, fmt, rows)
+    return path
+
+
+def _write_rows(path: pathlib.Path, fmt: str, rows: list[dict]) -> None:
     if fmt == "jsonl":
         with open(path, "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
     elif fmt == "json":
         path.write_text(json.dumps([{k: r[k] for k in ("index", "question", "answer")} for r in rows], indent=1))
-    elif fmt == "parquet":
+    else:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -209,9 +230,6 @@ def write_problems(path: str | pathlib.Path, problems: Sequence[Problem], fmt: s
             "extra_info": {"split": "train", "index": r["index"], "answer": r["answer"], "question": r["question"]},
         } for r in rows])
         pq.write_table(table, path)
-    else:
-        raise ValueError(f"write_problems: unknown format {fmt!r} for {path} (expected jsonl, json or parquet)")
-    return path
 
 
 def run_reference(problem: Problem) -> str:
@@ -299,9 +317,8 @@ def write_sft_file(path: str | pathlib.Path, problems: Sequence[Problem], *, too
                    behaviours: Sequence[str] | None = None) -> pathlib.Path:
     """jsonl of {"messages": [...], "answer": "N", "behaviour": ...}: the SFT input format."""
     path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     behaviours = behaviours or ["tool"] * len(problems)
-    with open(path, "w") as f:
+    with _written_whole(path) as tmp, open(tmp, "w") as f:
         for p, behaviour in zip(problems, behaviours, strict=True):
             messages = sft_conversation(p, tool_name=tool_name, format_observation=format_observation,
                                         behaviour=behaviour)

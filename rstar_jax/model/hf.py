@@ -324,7 +324,7 @@ def load_pretrained(
 # Export
 # ---------------------------------------------------------------------------------------------
 
-def _host_value(x: jax.Array) -> np.ndarray:
+def host_value(x: jax.Array) -> np.ndarray:
     """The whole array on this host. An array that spans several processes is all-gathered: every
     process must call this for the same arrays in the same order."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
@@ -338,7 +338,7 @@ def hf_tensors(model: Qwen3, dtype: DTypeLike | None = None) -> Iterable[tuple[s
     config = model.config
     out_dtype = np.dtype(jnp.dtype(config.param_dtype if dtype is None else dtype_name(dtype, "hf_tensors.dtype")))
     for m in _param_mappings(config):
-        value = _host_value(getattr(model, m.param)[...])
+        value = host_value(getattr(model, m.param)[...])
         if m.stacked:
             for i in range(config.num_layers):
                 yield m.hf_key.format(i=i), np.ascontiguousarray(_to_hf(m.layout, value[i]).astype(out_dtype))
@@ -375,7 +375,7 @@ def save_pretrained(
         # One writer. Parameters that span hosts are gathered with a collective, so every process
         # takes part in each gather, in hf_tensors' order, and drops the result unconverted.
         for m in _param_mappings(config):
-            _host_value(getattr(model, m.param)[...])
+            host_value(getattr(model, m.param)[...])
         return path
     path.mkdir(parents=True, exist_ok=True)
     shards: list[dict[str, np.ndarray]] = [{}]

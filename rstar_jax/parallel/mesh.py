@@ -38,12 +38,23 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1, devices: Sequence 
 
 
 def maybe_initialize_distributed() -> None:
-    """Joins a multi-process JAX job when launched as several processes (SLURM or explicit env)."""
-    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
-        jax.distributed.initialize(
-            coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-            num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-            process_id=int(os.environ["JAX_PROCESS_ID"]),
-        )
-    elif int(os.environ.get("SLURM_NTASKS", "1")) > 1:
-        jax.distributed.initialize()  # cluster auto-detection reads SLURM's environment
+    """Joins a multi-process JAX job when launched as several processes: explicit
+    `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID`, or SLURM with more than one
+    task (JAX reads the coordinator and ranks from SLURM's environment).
+
+    `JAX_LOCAL_DEVICE_IDS` ("0,1,2,3") gives a process several local devices; without it JAX's
+    SLURM detection gives each process the one device of its `SLURM_LOCALID` (run one task per
+    GPU). `JAX_HEARTBEAT_TIMEOUT_S` (default 100) bounds how long the others wait for a process
+    that died before they fail too.
+    """
+    explicit = bool(os.environ.get("JAX_COORDINATOR_ADDRESS"))
+    if not explicit and int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+        return
+    options: dict = {"heartbeat_timeout_seconds": int(os.environ.get("JAX_HEARTBEAT_TIMEOUT_S", "100"))}
+    if os.environ.get("JAX_LOCAL_DEVICE_IDS"):
+        options["local_device_ids"] = [int(i) for i in os.environ["JAX_LOCAL_DEVICE_IDS"].split(",")]
+    if explicit:
+        options.update(coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+                       num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                       process_id=int(os.environ["JAX_PROCESS_ID"]))
+    jax.distributed.initialize(**options)

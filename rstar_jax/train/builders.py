@@ -26,6 +26,7 @@ import pathlib
 from collections.abc import AsyncIterator, Iterator, Sequence
 
 import jax
+from flax import nnx
 from jax.sharding import Mesh
 
 from rstar_jax.agent.reward import make_scorer
@@ -38,7 +39,7 @@ from rstar_jax.errors import ConfigError
 from rstar_jax.evaluation.questions import Question, load_questions
 from rstar_jax.model.hf import load_pretrained, save_pretrained
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
-from rstar_jax.parallel import MESH_AXES, create_sharded_model, make_mesh
+from rstar_jax.parallel import MESH_AXES, create_sharded_model, make_mesh, multihost, shard_model
 from rstar_jax.rollout.engine import JaxEngine
 from rstar_jax.rollout.local_server import LocalServer
 from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler
@@ -143,9 +144,23 @@ def engine_for(model: Qwen3, mesh: Mesh | None, *, slots: int, max_length: int, 
                      page_size=page_size, prefill_buckets=buckets, seed=seed, mesh=mesh)
 
 
+def engine_policy(config, model: Qwen3, mesh: Mesh) -> tuple[Qwen3, Mesh]:
+    """The policy the in-process engine samples from: the trained one on its mesh, or under several
+    processes a host-local replica on this host's devices (each process generates its own share of
+    the trajectories, at its own pace, which one program over the global mesh cannot)."""
+    if multihost.process_count() == 1:
+        return model, mesh
+    devices = multihost.engine_devices(dict(mesh.shape))
+    local_mesh = make_mesh(data=1, fsdp=1, tensor=len(devices), devices=devices)
+    graphdef, _ = nnx.split(model)
+    return shard_model(nnx.merge(graphdef, multihost.host_state(model)), local_mesh, mesh_rules(config)), local_mesh
+
+
 def make_engine(config, model: Qwen3, mesh: Mesh | None, *, max_length: int | None = None) -> JaxEngine:
     """`config.rollout.engine`'s engine (context `max_length` when given, e.g. an evaluation's budget)."""
     e = config.rollout.engine
+    if mesh is not None:
+        model, mesh = engine_policy(config, model, mesh)
     return engine_for(model, mesh, slots=e.slots, max_length=max_length or e.max_length,
                       max_total_tokens=e.max_total_tokens or None, page_size=e.page_size, seed=config.seed)
 
@@ -221,7 +236,11 @@ def sft_batches(config, tokenizer: Tokenizer, template: ChatTemplate, stages: Se
 
 
 def metrics_writer(config) -> MetricsWriter:
-    return MetricsWriter(config.run_dir, tensorboard=config.metrics.tensorboard, jsonl=config.metrics.jsonl)
+    """The run's metrics; under several processes only the writer process writes files (every
+    process computes the same aggregated figures)."""
+    writer = multihost.is_writer()
+    return MetricsWriter(config.run_dir, tensorboard=config.metrics.tensorboard and writer,
+                         jsonl=config.metrics.jsonl and writer)
 
 
 def stop_token_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
@@ -278,6 +297,10 @@ def local_servers(config, model: Qwen3) -> Iterator[list[str]]:
     if not r.local_servers:
         yield list(r.servers)
         return
+    if multihost.process_count() > 1:
+        raise ConfigError("config.rollout.local_servers: servers started by each trainer process are reachable only "
+                          "from its host; under several processes start SGLang servers and list them in "
+                          "rollout.servers (or use rollout.backend='jax')")
     initial = save_pretrained(model, pathlib.Path(config.run_dir) / "weights_sync",
                               dtype=config.checkpoint.export_dtype or None)  # as every later sync
     with contextlib.ExitStack() as stack:
@@ -315,8 +338,10 @@ async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine
                                   "(or rollout.local_servers > 0)")
             resources.generators = [SGLangGenerator(url) for url in urls]
             kind = KvScheduler if config.rollout.scheduler == "kv" else RoundRobinScheduler
-            resources.scheduler = kind(resources.generators)
-        await wait_until_ready(resources, config.rollout.ready_timeout_s)
+            resources.scheduler = kind(generation_share(resources.generators))
+        # The writer loads weights on every server; the others generate on their share only.
+        await wait_until_ready(resources, config.rollout.ready_timeout_s,
+                               generators=None if multihost.is_writer() else generation_share(resources.generators))
         yield resources
     finally:
         scorer.close()
@@ -325,10 +350,22 @@ async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine
             await generator.close()
 
 
-async def wait_until_ready(resources: RolloutResources, timeout_s: float, interval_s: float = 1.0) -> None:
-    """Waits until every generator server completes a generation (`/health_generate`) and every
-    sandbox server answers `Info`: a 14B server may load for minutes, and the first weight sync and
-    step must not fail on it. A ConfigError names the endpoints still not ready after `timeout_s`."""
+def generation_share(generators: Sequence) -> list:
+    """The servers this process generates on: under P processes, every P-th from its index when
+    there are at least P servers (each server has one client process), else all of them (their
+    schedulers balance on the load the servers report)."""
+    count = multihost.process_count()
+    if count == 1 or len(generators) < count:
+        return list(generators)
+    return list(generators)[jax.process_index()::count]
+
+
+async def wait_until_ready(resources: RolloutResources, timeout_s: float, interval_s: float = 1.0, *,
+                           generators: Sequence | None = None) -> None:
+    """Waits until every generator server (`generators`, default all of `resources`') completes a
+    generation (`/health_generate`) and every sandbox server answers `Info`: a 14B server may load
+    for minutes, and the first weight sync and step must not fail on it. A ConfigError names the
+    endpoints still not ready after `timeout_s`."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
 
@@ -339,7 +376,8 @@ async def wait_until_ready(resources: RolloutResources, timeout_s: float, interv
         except Exception:  # noqa: BLE001  (any failure to answer: not ready yet)
             return False
 
-    waiting = {**{g.base_url: g.health for g in resources.generators},
+    generators = resources.generators if generators is None else generators
+    waiting = {**{g.base_url: g.health for g in generators},
                **{t: functools.partial(sandbox_ready, t) for t in resources.client.targets}}
     while True:
         ready = await asyncio.gather(*(probe() for probe in waiting.values()))

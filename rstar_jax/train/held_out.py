@@ -16,6 +16,8 @@ import pathlib
 import time
 from collections.abc import Mapping, Sequence
 
+import jax
+
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
 from rstar_jax.data.datasets import detect_format
@@ -36,6 +38,7 @@ from rstar_jax.evaluation import (
     write_json,
     write_rows,
 )
+from rstar_jax.parallel import multihost
 from rstar_jax.rollout.loop import LoopConfig
 from rstar_jax.rollout.orchestrator import trajectory_runner
 from rstar_jax.train import builders
@@ -173,19 +176,27 @@ class HeldOutEvaluation:
         return cls(config, questions, files, LoopConfig.from_config(config, "eval"), tokenizer, template)
 
     async def __call__(self, step: int) -> dict[str, float]:
+        """Under several processes each samples its contiguous share of the questions into its own
+        store (`process_<i>/`); the samples are gathered and the writer process writes the report."""
         config, k = self.config, self.config.eval.k
         directory = pathlib.Path(config.run_dir) / "eval" / f"step_{step}"
-        store = SampleStore(directory, settings_of(config, self.loop, k=k, files=self.files,
+        questions, store_dir = self.questions, directory
+        if multihost.process_count() > 1:
+            questions = questions[multihost.share(len(questions))]
+            store_dir = directory / f"process_{jax.process_index()}"
+        store = SampleStore(store_dir, settings_of(config, self.loop, k=k, files=self.files,
                                                    policy={"kind": "training", "step": step}))
         try:
             groups = store.open()
-            pending = pending_questions(self.questions, groups, store.samples_path)
+            pending = pending_questions(questions, groups, store.samples_path)
             groups.update(await sample(config, self.resources, pending, k=k, loop=self.loop, store=store,
                                        tokenizer=self.tokenizer, template=self.template, desc=f"eval@{step}"))
         finally:
             store.close()
+        groups = {key: records for part in multihost.allgather_json(groups) for key, records in part.items()}
         report = build_report(groups, self.questions, k)
-        write_json(directory / REPORT_FILE, report)
+        if multihost.is_writer():
+            write_json(directory / REPORT_FILE, report)
         return eval_metrics(report["overall"])
 
 

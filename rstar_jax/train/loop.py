@@ -18,6 +18,7 @@ import jax
 from jax.sharding import Mesh
 
 from rstar_jax.data.datasets import PromptIterator
+from rstar_jax.parallel import multihost
 from rstar_jax.rollout.records import rollout_path, trajectory_record, write_records
 from rstar_jax.train.checkpoint import Checkpointer
 from rstar_jax.train.metrics import MetricsWriter, ProgressBar
@@ -98,7 +99,7 @@ class RLLoop:
             for step in range(start, self.steps):
                 prompts = [(ex.question, ex.answer) for ex in next(self.prompts)]
                 step_metrics, trajectories = await self.trainer.astep(prompts, step=step)
-                if self.rollouts_run_dir is not None:
+                if self.rollouts_run_dir is not None and multihost.is_writer():  # every process has them all
                     write_records(rollout_path(self.rollouts_run_dir, step + 1),
                                   (trajectory_record(t, decode, step=step + 1, stage=self.stage) for t in trajectories))
                 step_metrics["lr"] = self.lr(step)

@@ -235,4 +235,9 @@ def place_batch(batch: dict, mesh: jax.sharding.Mesh | None = None) -> dict:
         # slower than default-placed arrays; on one device they are equivalent.
         return {k: jnp.asarray(v) for k, v in batch.items()}
     sharding = batch_sharding(mesh)
+    if jax.process_count() > 1:
+        # Every process holds the same host batch (see RLTrainer.rollout_shared and SftBatches):
+        # each materialises only the rows of its own devices.
+        return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
+                for k, v in batch.items()}
     return {k: jax.device_put(v, sharding) for k, v in batch.items()}

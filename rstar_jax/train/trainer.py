@@ -25,6 +25,7 @@ import numpy as np
 
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
+from rstar_jax.parallel import multihost
 from rstar_jax.rl.loss import LossConfig, finalize_metrics
 from rstar_jax.rl.roc import RocConfig
 from rstar_jax.rollout.loop import LoopConfig, Scorer, ToolExecutor
@@ -104,6 +105,18 @@ class RLTrainer:
         orchestrator = Orchestrator(self._run_one, max_concurrency=self.settings.max_concurrency)
         return await orchestrator.collect(prompts, self.settings.rollouts_per_prompt, first_group_id=first_group_id)
 
+    async def rollout_shared(self, prompts: list[tuple[str, str]], *, first_group_id: int = 0) -> list[Trajectory]:
+        """`rollout` of all `prompts` over the job's processes: each generates the groups of its
+        contiguous share (group ids as one process would number them) and every process gets all
+        trajectories, in group order. RoC, advantages and the batch are then the same on every
+        process (and the same as one process's), and each process places its rows of it."""
+        if multihost.process_count() == 1:
+            return await self.rollout(prompts, first_group_id=first_group_id)
+        mine = multihost.share(len(prompts))
+        own = await self.rollout(prompts[mine], first_group_id=first_group_id + mine.start)
+        gathered = multihost.allgather_json([dataclasses.asdict(t) for t in own])
+        return [Trajectory(**record) for records in gathered for record in records]
+
     def prepare(self, trajectories: list[Trajectory], *, step: int) -> PreparedBatch:
         """RoC and advantages into fixed-shape micro-batches (host arrays). RoC's random choice is
         seeded with (roc.seed, step): each step draws afresh and a resumed run draws as the
@@ -152,7 +165,7 @@ class RLTrainer:
         reproducible from its number alone). Generators get the new weights, version step + 1,
         before the next step samples (synchronous RL)."""
         t0 = time.perf_counter()
-        trajectories = await self.rollout(prompts, first_group_id=step * len(prompts))
+        trajectories = await self.rollout_shared(prompts, first_group_id=step * len(prompts))
         rollout_s = time.perf_counter() - t0
         metrics = self.update(trajectories, step=step)
         if not metrics["update/skipped"]:

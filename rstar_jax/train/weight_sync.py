@@ -18,6 +18,7 @@ import pathlib
 from typing import Protocol, Sequence
 
 from rstar_jax.model.hf import save_pretrained
+from rstar_jax.parallel import multihost
 from rstar_jax.rollout.engine import JaxEngine
 from rstar_jax.rollout.sglang import SGLangGenerator
 
@@ -40,8 +41,11 @@ class EngineSync:
         self.version = engine.version
 
     async def push(self, model, version: int) -> None:
+        # Under several processes the engine holds a host-local replica: every process gathers the
+        # trained parameters (a collective, so here on the loop's thread, in step with the others).
+        source = multihost.host_state(model) if multihost.process_count() > 1 else model
         # update_weights blocks until running requests drain; keep the event loop free meanwhile.
-        self.version = await asyncio.to_thread(self.engine.update_weights, model, version=version)
+        self.version = await asyncio.to_thread(self.engine.update_weights, source, version=version)
 
 
 class DiskSync:
@@ -74,7 +78,16 @@ async def sync_weights_via_disk(model, generators: Sequence[SGLangGenerator], di
     `DiskSync` for the modes). Every server reports `version` afterwards. Returns the directory."""
     if mode not in DISK_SYNC_MODES:
         raise ValueError(f"sync_weights_via_disk: mode must be one of {DISK_SYNC_MODES}, got {mode!r}")
-    path = await asyncio.to_thread(save_pretrained, model, directory, dtype=dtype)
+    # Every process takes part in the export's gathers (one writes). Under several processes the
+    # writer process loads every server once the files are complete, and the others wait for it.
+    if multihost.process_count() > 1:
+        path = save_pretrained(model, directory, dtype=dtype)  # collectives stay on this thread
+        multihost.barrier(f"weights {version} exported")
+        if not multihost.is_writer():
+            multihost.barrier(f"weights {version} loaded")
+            return os.fspath(path)
+    else:
+        path = await asyncio.to_thread(save_pretrained, model, directory, dtype=dtype)
 
     async def one(gen: SGLangGenerator):
         if mode == "pause":
@@ -87,4 +100,5 @@ async def sync_weights_via_disk(model, generators: Sequence[SGLangGenerator], di
             await gen.update_weights_from_disk(path, abort_all_requests=mode == "abort", weight_version=version)
 
     await asyncio.gather(*(one(g) for g in generators))
+    multihost.barrier(f"weights {version} loaded")
     return os.fspath(path)

@@ -1,0 +1,112 @@
+"""What the processes of one `jax.distributed` job share, split and exchange on the host side.
+
+Every process runs the same program over one global mesh (see DESIGN.md, "Several processes"). The
+host-side pieces here are the only places the run asks which process it is:
+
+- `share(n)`: this process's contiguous part of n items (prompts, questions, servers);
+- `allgather_json(obj)`: every process's JSON-able value, in process order, on every process (the
+  step's trajectories, an evaluation's samples); it travels as bytes through a JAX collective, so
+  it needs nothing beyond `jax.distributed`;
+- `is_writer()`: the one process that writes files others also need (metrics, rollout records,
+  reports, HF exports);
+- `barrier(name)`: every process waits for the others (files written, servers loaded);
+- `host_state(model)`: every parameter gathered whole onto every host (a host-local engine's copy).
+
+With one process they cost nothing: no collective runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import traceback
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from rstar_jax.errors import UserError
+from rstar_jax.model.hf import host_value
+
+
+def process_count() -> int:
+    return jax.process_count()
+
+
+def is_writer() -> bool:
+    """True on the process that writes the run's shared files (process 0)."""
+    return jax.process_index() == 0
+
+
+def share(n: int, index: int | None = None, count: int | None = None) -> slice:
+    """Process `index`'s contiguous part of `n` items (this process's by default): the first
+    `n % count` processes take one more, so the parts cover range(n) in process order."""
+    index = jax.process_index() if index is None else index
+    count = jax.process_count() if count is None else count
+    base, extra = divmod(n, count)
+    start = index * base + min(index, extra)
+    return slice(start, start + base + (index < extra))
+
+
+def barrier(name: str) -> None:
+    """Every process reaches `name` before any goes on (nothing with one process)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def allgather_json(value: Any) -> list[Any]:
+    """`value` (JSON-able) of every process, in process order, on every process."""
+    if jax.process_count() == 1:
+        return [value]
+    payload = np.frombuffer(json.dumps(value, separators=(",", ":")).encode(), np.uint8)
+    lengths = np.asarray(multihost_utils.process_allgather(np.int64(payload.size))).reshape(-1)
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[:payload.size] = payload
+    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    return [json.loads(row[:n].tobytes()) for row, n in zip(gathered, lengths)]
+
+
+def host_state(model) -> Any:
+    """The model's `nnx.State` with every array whole on this host (collective: all processes call it)."""
+    from flax import nnx
+
+    return jax.tree.map(lambda x: host_value(x) if isinstance(x, jax.Array) else x, nnx.state(model))
+
+
+def engine_devices(mesh_shape: dict[str, int]) -> list:
+    """This host's devices for a host-local engine replica: the policy's tensor-parallel size when
+    the host has that many, else one. Decoding gains nothing from splitting a replica's parameters
+    further (FSDP would all-gather them every token)."""
+    local = jax.local_devices()
+    tensor = mesh_shape.get("tensor", 1)
+    return local[:tensor] if tensor <= len(local) else local[:1]
+
+
+@contextlib.contextmanager
+def exit_job_on_failure() -> Iterator[None]:
+    """Under several processes, a failure ends this process at once (status 2 for a user error, 1
+    otherwise) instead of unwinding into `jax.distributed`'s shutdown barrier, where it would wait
+    for processes that are themselves waiting in a collective for it. The others then fail in
+    their next collective, or when the coordination service misses this process's heartbeat
+    (`heartbeat_timeout_s` of `maybe_initialize_distributed`): every process exits within a
+    bounded time."""
+    if jax.process_count() == 1:
+        yield
+        return
+    try:
+        yield
+    except BaseException as e:  # noqa: BLE001  (any failure ends the whole job)
+        if isinstance(e, UserError):
+            for line in str(e).splitlines() or [type(e).__name__]:
+                print(f"error: {line}", file=sys.stderr)
+            code = 2
+        else:
+            traceback.print_exc()
+            code = e.code if isinstance(e, SystemExit) and isinstance(e.code, int) and e.code else 1
+        print(f"[process {jax.process_index()}] failed: ending the job", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(code)
