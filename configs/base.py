@@ -140,13 +140,20 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.reset_at_start = False  # spec §5.3: True for stage 3 (optimizer state reset)
 
     c.train = ml_collections.ConfigDict()
-    c.train.steps = 300  # spec §5.3: stage 1 runs 300 steps
+    # spec §5.3: stage 1 runs 300 steps. A step whose groups RoC all dropped (all-equal rewards)
+    # makes no update (`update/skipped`) but counts: a stage consumes exactly `steps` prompt
+    # batches. The release instead does not advance its step counter on such a batch, so it makes
+    # `steps` updates; at the recipe's 2G = 32 rollouts per prompt and 64 prompts such a step is rare.
+    c.train.steps = 300
     # Held-out evaluation of the policy being trained, at step 0, every eval_every steps and after the
     # last: config.eval's k and sampling on data.eval_files, through the run's own generators (so
     # max_prompt_length + eval.response_budget must fit rollout.engine.max_length). 0 = off.
     c.train.eval_every = 0
     c.train.log_every = 1
-    c.train.init_from = ""  # checkpoint directory of the previous stage ("" = model.hf_path / init)
+    # Checkpoint directory of the previous stage ("" = model.hf_path / init). The stage continues
+    # that run: its step numbers (group ids, sampling seeds, RoC draws, weight versions) go on from
+    # the previous stage's, and its prompt stream too when the data is the same.
+    c.train.init_from = ""
 
     c.sft = ml_collections.ConfigDict()
     c.sft.train_files = ()  # conversations (jsonl of {"messages": [...]}), trained file after file; synthetic when enabled

@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from rstar_jax.config import REPO_CONFIGS, load_config_file
 from rstar_jax.rollout.records import iter_rollouts
+from rstar_jax.train import builders
 from rstar_jax.train.metrics import read_metrics
 from tests.conftest import TINY_TEST_TASK
 
@@ -144,7 +146,17 @@ def test_next_stage_starts_from_the_previous_stages_checkpoint(tmp_path):
     # A different seed initialises different weights: only init_from can make them equal.
     result = _run(following, *short, "--config.seed=1", f"--config.train.init_from={previous}",
                   "--config.optim.reset_at_start=true")
-    assert f"[rl] initialised from {previous / 'checkpoints'} step 1 (optimizer reset)" in result.stdout
+    assert (f"[rl] initialised from {previous / 'checkpoints'} step 1 (optimizer reset); steps continue from 1, "
+            "its prompt stream continued") in result.stdout
+    # It continues the previous stage's run: its first prompts are the ones after the previous
+    # stage's, and its group ids (from which sampling seeds derive) go on from the previous stage's.
+    first, second = list(iter_rollouts(previous)), list(iter_rollouts(following))
+    assert sorted({r["group_id"] for r in first}) == [0, 1] and sorted({r["group_id"] for r in second}) == [2, 3]
+    config = load_config_file(str(REPO_CONFIGS / "tiny.py"))
+    config.data.num_prompts_per_step = 2
+    stream, _ = builders.prompt_iterator(config, [str(previous / "data" / "train.jsonl")])
+    assert [r["question"] for r in first][::len(first) // 2] == [e.question for e in next(stream)]
+    assert [r["question"] for r in second][::len(second) // 2] == [e.question for e in next(stream)]
     # The random policy earns no reward, so neither stage updated: the weights passed through unchanged.
     assert all(m.get("update/skipped") == 1 for m in read_metrics(following) if "rollout/reward_mean" in m)
     _assert_bitwise_equal(_weights(previous), _weights(following))

@@ -299,8 +299,13 @@ class PromptIterator:
         """JSON-serialisable position (with a fingerprint of the data it belongs to)."""
         return {"iterator": self._iterator.get_state(), **self._fingerprint}
 
-    def set_state(self, state: dict) -> None:
+    def set_state(self, state: dict, *, same_files: bool = True) -> None:
+        """Continues from `state` (a `get_state()`); a DataError when it belongs to other data. With
+        `same_files=False` the files may live elsewhere (a stage continuing another's run on a copy
+        of its data): the first example's row is checked but not its path."""
         for key, value in self._fingerprint.items():
+            if key == "first" and not same_files:
+                value, state = value[1:], {**state, key: list(state.get(key) or [None])[1:]}
             saved = state.get(key)
             if isinstance(value, list) and isinstance(saved, (list, tuple)):
                 saved = list(saved)

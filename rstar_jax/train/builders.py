@@ -214,12 +214,13 @@ def questions(config, files: Sequence[str], *, field: str) -> tuple[list[Questio
                           on_bad_row=d.on_bad_row, field=field)
 
 
-def prompt_iterator(config, files: Sequence[str]) -> tuple[PromptIterator, LoadReport]:
-    """The RL prompt stream of `config.data` over `files`."""
+def prompt_iterator(config, files: Sequence[str], *, seed: int | None = None) -> tuple[PromptIterator, LoadReport]:
+    """The RL prompt stream of `config.data` over `files`, shuffled with `seed` (default
+    `data.shuffle_seed`)."""
     d = config.data
     examples, report = load_examples(tuple(files), fmt=d.format, question_key=d.question_key,
                                      answer_key=d.answer_key, on_bad_row=d.on_bad_row)
-    return PromptIterator(examples, d.num_prompts_per_step, seed=d.shuffle_seed), report
+    return PromptIterator(examples, d.num_prompts_per_step, seed=d.shuffle_seed if seed is None else seed), report
 
 
 def sft_batches(config, tokenizer: Tokenizer, template: ChatTemplate, stages: Sequence[Sequence],

@@ -80,6 +80,9 @@ class RLLoop:
     evaluate: Callable[[int], Awaitable[dict]] | None = None
     eval_every: int = 0
     progress: bool = True
+    # RL steps of the stages this one continues (`train.init_from`): the trainer numbers its steps
+    # from there, so group ids, sampling seeds, RoC draws and weight versions never repeat theirs.
+    step_offset: int = 0
 
     def _evaluation_due(self, step: int) -> bool:
         return bool(self.evaluate and self.eval_every) and (step % self.eval_every == 0 or step == self.steps)
@@ -98,7 +101,7 @@ class RLLoop:
         try:
             for step in range(start, self.steps):
                 prompts = [(ex.question, ex.answer) for ex in next(self.prompts)]
-                step_metrics, trajectories = await self.trainer.astep(prompts, step=step)
+                step_metrics, trajectories = await self.trainer.astep(prompts, step=self.step_offset + step)
                 if self.rollouts_run_dir is not None and multihost.is_writer():  # every process has them all
                     write_records(rollout_path(self.rollouts_run_dir, step + 1),
                                   (trajectory_record(t, decode, step=step + 1, stage=self.stage) for t in trajectories))

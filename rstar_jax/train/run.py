@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import pathlib
+
+import numpy as np
 
 from jax.sharding import Mesh
 
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
-from rstar_jax.data.datasets import PromptIterator, read_conversations
+from rstar_jax.data.datasets import DataError, PromptIterator, read_conversations
 from rstar_jax.errors import ConfigError
 from rstar_jax.train import builders
 from rstar_jax.train.checkpoint import Checkpointer, checkpoints_directory
@@ -83,39 +86,68 @@ def run_sft(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempl
                     save=save if checkpointer is not None else None, progress=config.metrics.progress_bar)
 
 
-def _restore(config, model, optimizer, prompts: PromptIterator, metrics: MetricsWriter,
-             checkpointer: Checkpointer) -> int:
-    """The step RL starts at: this stage's own checkpoint continues exactly (policy, optimizer, data
-    position); else `train.init_from` gives the previous stage's policy (and its optimizer state
-    unless the recipe resets it, stage 3), with the data stream and step count afresh."""
+@dataclasses.dataclass
+class RLStart:
+    """Where a stage's RL begins: its first step, the RL steps earlier stages took (its step numbers
+    continue theirs for group ids, sampling seeds, RoC draws and weight versions) and its prompts."""
+
+    step: int
+    step_offset: int
+    prompts: PromptIterator
+
+    def data_state(self) -> dict:
+        return {**self.prompts.get_state(), "step_offset": self.step_offset}
+
+
+def _restore(config, model, optimizer, train_files, metrics: MetricsWriter, checkpointer: Checkpointer) -> RLStart:
+    """This stage's own checkpoint continues exactly (policy, optimizer, data position, step numbers).
+    Else `train.init_from` gives the previous stage's policy (and its optimizer state unless the
+    recipe resets it, stage 3) and continues its run: step numbers go on from the previous stage's,
+    so no trajectory repeats a sampling seed, and the prompt stream continues where it stopped when
+    the data is the same (stage 2); other data (stage 3's hard set) is shuffled with a seed of its own."""
+    shuffle_seed = config.data.shuffle_seed
     if checkpointer.latest_step() is not None:
         restored = checkpointer.restore(model=model, optimizer=optimizer)
+        state = restored.data_state or {}
+        prompts, _ = builders.prompt_iterator(config, train_files, seed=state.get("seed", shuffle_seed))
         if restored.data_state is not None:
             prompts.set_state(restored.data_state)
         metrics.discard_after(restored.step, where=is_rl_line)
         print(f"[rl] resumed from step {restored.step}", flush=True)
-        return restored.step
-    if config.train.init_from:
-        source = checkpoints_directory(config.train.init_from)
-        with Checkpointer(source, async_save=False) as previous:
-            restored = previous.restore(model=model, optimizer=optimizer, reset_optimizer=config.optim.reset_at_start)
-        print(f"[rl] initialised from {source} step {restored.step}"
-              + (" (optimizer reset)" if config.optim.reset_at_start else ""), flush=True)
-    return 0
+        return RLStart(restored.step, int(state.get("step_offset", 0)), prompts)
+    prompts, _ = builders.prompt_iterator(config, train_files)
+    if not config.train.init_from:
+        return RLStart(0, 0, prompts)
+    source = checkpoints_directory(config.train.init_from)
+    with Checkpointer(source, async_save=False) as previous:
+        restored = previous.restore(model=model, optimizer=optimizer, reset_optimizer=config.optim.reset_at_start)
+    state = restored.data_state or {}
+    offset = int(state.get("step_offset", 0)) + restored.step
+    how = "its prompt stream continued"
+    try:
+        prompts.set_state(state, same_files=False)
+    except (DataError, KeyError):  # other data: its own order, not the previous stage's seed
+        prompts, _ = builders.prompt_iterator(
+            config, train_files, seed=int(np.random.SeedSequence([shuffle_seed, offset]).generate_state(1)[0]))
+        how = "new data, shuffled afresh"
+    print(f"[rl] initialised from {source} step {restored.step}"
+          + (" (optimizer reset)" if config.optim.reset_at_start else "")
+          + f"; steps continue from {offset}, {how}", flush=True)
+    return RLStart(0, offset, prompts)
 
 
 def run_rl(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTemplate, train_files,
            metrics: MetricsWriter, checkpointer: Checkpointer) -> dict:
     optimizer_config = OptimizerConfig.from_config(config)
     optimizer = make_optimizer(model, optimizer_config)
-    prompts, _ = builders.prompt_iterator(config, train_files)
-    start = _restore(config, model, optimizer, prompts, metrics, checkpointer)
+    begin = _restore(config, model, optimizer, train_files, metrics, checkpointer)
+    start, prompts = begin.step, begin.prompts
     settings = RLSettings.from_config(config, builders.data_parallel(mesh))
     evaluation = HeldOutEvaluation.from_config(config, tokenizer, template) if config.train.eval_every else None
     schedule = lr_schedule(optimizer_config)
 
     def save_state(step: int, final: bool) -> None:
-        checkpointer.save(step, model=model, optimizer=optimizer, data_state=prompts.get_state(), stage=config.stage,
+        checkpointer.save(step, model=model, optimizer=optimizer, data_state=begin.data_state(), stage=config.stage,
                           config=config, force=final)
 
     async def steps(targets: list[str], urls: list[str], engine) -> dict:
@@ -128,14 +160,15 @@ def run_rl(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempla
                                 mesh=mesh)
             # Generators may hold any weights (servers start from an export, versions continue
             # across a resume): they sample from the trainer's policy from the first step.
-            await trainer.sync_weights(start)
+            await trainer.sync_weights(begin.step_offset + start)
             if evaluation is not None:
                 evaluation.resources = resources
             loop = RLLoop(trainer, prompts, config.train.steps, metrics, checkpointer, save_state,
                           lr=lambda step: float(schedule(step)),
                           rollouts_run_dir=pathlib.Path(config.run_dir) if config.metrics.save_rollouts else None,
                           stage=config.stage, scheduler=resources.scheduler, evaluate=evaluation,
-                          eval_every=config.train.eval_every, progress=config.metrics.progress_bar)
+                          eval_every=config.train.eval_every, progress=config.metrics.progress_bar,
+                          step_offset=begin.step_offset)
             return await loop.run(start)
 
     engine = builders.make_engine(config, model, mesh) if config.rollout.backend == "jax" else None
