@@ -123,9 +123,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.kl_coef = 0.0  # spec §5.3: no KL term (validation refuses > 0: there is no reference policy)
     c.rl.entropy_coef = 0.0  # spec §5.3: no entropy term
     c.rl.logprob_chunk_size = 1024  # tokens per chunk of the vocab projection in token_logprobs
-    # Tokens per micro-batch on each data-parallel shard (spec §5.3: the release's
-    # ppo_max_token_len_per_gpu): every device along the data/fsdp axes holds this many per micro-batch.
-    c.rl.micro_batch_tokens = 20480
+    # Tokens per micro-batch on each data-parallel shard (the release's ppo_max_token_len_per_gpu,
+    # 20480 in spec §5.3): every device along the data/fsdp axes holds this many per micro-batch.
+    # Here one 8K + 2K row: XLA attention holds each row's T x T scores, and the ahead-of-time
+    # compile of the 14B update on 64 devices (benchmarks/RESULTS.md, `python -m
+    # rstar_jax.parallel.aot`) peaks at 82 GiB per device with one row, 153 GiB with the release's two.
+    c.rl.micro_batch_tokens = 10240
     c.rl.use_sampler_logprobs = False  # False: recompute old log-probs with the trainer, as verl does
 
     c.optim = ml_collections.ConfigDict()
@@ -166,8 +169,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.max_length = 8192  # spec §5.1: not given in the paper; our choice
     c.sft.pack = True
     # Tokens per micro-batch (gradient accumulation) on each data-parallel shard, as
-    # rl.micro_batch_tokens: every device along the data/fsdp axes holds this many; our choice.
-    c.sft.micro_batch_tokens = 20480
+    # rl.micro_batch_tokens: every device along the data/fsdp axes holds this many. One row of
+    # sft.max_length: the 14B SFT step then peaks at 57 GiB per device (102 GiB with two rows).
+    c.sft.micro_batch_tokens = 8192
     c.sft.before_rl = False  # run this SFT first, then RL from its result (tiny runs)
 
     c.sandbox = ml_collections.ConfigDict()

@@ -113,7 +113,9 @@ def test_every_recipe_value_cites_the_spec():
         body = (REPO_CONFIGS / f"{name}.py").read_text()
         changed = [line for line in body.splitlines() if line.strip().startswith("c.") and "=" in line
                    and not line.strip().startswith(("c.stage", "c.run_dir", "c.train.init_from", "c.rollout.engine",
-                                                    "c.filter_hard", "c.data.train_files"))]
+                                                    "c.filter_hard", "c.data.train_files",
+                                                    # fitted to memory (rstar_jax.parallel.aot), not the recipe's
+                                                    "c.rl.micro_batch_tokens", "c.mesh"))]
         assert changed and all("# spec §5.3" in line for line in changed), changed
 
 

@@ -96,12 +96,16 @@ def lr_schedule(config: OptimizerConfig) -> optax.Schedule:
     return optax.join_schedules([warmup, rest], [config.warmup_steps])
 
 
-def make_optimizer(model: nnx.Module, config: OptimizerConfig = OptimizerConfig()) -> nnx.Optimizer:
-    tx = optax.chain(
+def make_tx(config: OptimizerConfig = OptimizerConfig()) -> optax.GradientTransformation:
+    """Global-norm clipping, then AdamW on `config`'s schedule."""
+    return optax.chain(
         optax.clip_by_global_norm(config.grad_clip),
         optax.adamw(lr_schedule(config), b1=config.b1, b2=config.b2, weight_decay=config.weight_decay),
     )
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def make_optimizer(model: nnx.Module, config: OptimizerConfig = OptimizerConfig()) -> nnx.Optimizer:
+    optimizer = nnx.Optimizer(model, make_tx(config), wrt=nnx.Param)
     meshes = {x.sharding.mesh for x in jax.tree.leaves(nnx.state(model))
               if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)}
     if len(meshes) == 1:

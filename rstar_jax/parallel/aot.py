@@ -1,0 +1,190 @@
+"""Ahead-of-time compile of a recipe's training steps on an abstract cluster (as MaxText's
+`train_compile.py` does for TPU topologies): no weights are materialised and no accelerator is
+needed; fake CPU devices stand in for the cluster's.
+
+    python -m rstar_jax.parallel.aot --config=configs/stage1.py --devices=64 [--config.a.b=v ...]
+
+Lowers and compiles the production GRPO-RoC update (`train.step._train_step`: micro-batch scan,
+chunked log-probs, clip-higher loss, AdamW) and the SFT step for the config's model over
+`--devices` devices with the config's mesh, remat policy and micro-batch sizes, and prints XLA's
+per-device memory analysis (arguments, outputs, temporaries) beside the memory plan
+(`parallel.memory`) and the memory of an MI300X (192 GB) and an H100 (80 GB). Compiling on CPU
+checks that the program partitions and what it holds; XLA:GPU's temporaries differ somewhat
+(other fusions, its own collective buffers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+from flax import nnx
+
+from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
+from rstar_jax.model.sharding import set_activation_shardings, state_shardings
+from rstar_jax.parallel.memory import GIB, memory_plan
+
+DEVICE_MEMORY = {"MI300X": 192e9, "H100": 80e9}
+
+_DEVICES = flags.DEFINE_integer("devices", 64, "Devices of the abstract cluster (fake CPU devices).")
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledStep:
+    name: str
+    argument_bytes: int  # per device: parameters, optimizer state and the batch
+    output_bytes: int
+    alias_bytes: int  # outputs written into donated arguments
+    temp_bytes: int
+    batch_bytes: int  # per device, of argument_bytes
+    compile_s: float
+
+    @property
+    def peak_bytes(self) -> int:
+        """Live at once: arguments, outputs not aliased to donated arguments, temporaries."""
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+
+def _abstract(tree, shardings):
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings)
+
+
+def _per_device_bytes(abstract_tree) -> int:
+    total = 0
+    for x in jax.tree.leaves(abstract_tree):
+        shard = x.sharding.shard_shape(x.shape)
+        total += int(np.prod(shard)) * jnp.dtype(x.dtype).itemsize
+    return total
+
+
+def _abstract_batch(mesh, num_micro_batches: int, rows: int, row_length: int) -> dict:
+    """The [M, rows, T] arrays the trainer places (the same keys and dtypes), rows over data x fsdp."""
+    from rstar_jax.train.batching import TrainingSequence, make_micro_batches
+    from rstar_jax.train.step import batch_sharding
+
+    example = make_micro_batches([TrainingSequence(prompt_ids=[1], response_ids=[2], loss_mask=[1], advantage=1.0,
+                                                   old_logprobs=[0.0], sampler_logprobs=[0.0])],
+                                 rows=1, row_length=2, packed=True, num_micro_batches=1)
+    sharding = batch_sharding(mesh)
+    return {k: jax.ShapeDtypeStruct((num_micro_batches, rows, row_length), v.dtype, sharding=sharding)
+            for k, v in example.items()}
+
+
+def _compile(name: str, step_fn, model_state, opt_state, batch) -> CompiledStep:
+    def update(model_state, opt_state, batch):
+        model, optimizer = nnx.merge(*model_state), nnx.merge(*opt_state)
+        metrics = step_fn(model, optimizer, batch)
+        return nnx.state(model), nnx.state(optimizer), metrics
+
+    model_def, model_abstract = model_state
+    opt_def, opt_abstract = opt_state
+    out_shardings = (jax.tree.map(lambda x: x.sharding, model_abstract),
+                     jax.tree.map(lambda x: x.sharding, opt_abstract), None)
+    t0 = time.perf_counter()
+    compiled = jax.jit(lambda m, o, b: update((model_def, m), (opt_def, o), b), out_shardings=out_shardings,
+                       donate_argnums=(0, 1), keep_unused=True,  # the placed batch is on the devices either way
+                       ).lower(model_abstract, opt_abstract, batch).compile()
+    seconds = time.perf_counter() - t0
+    memory = compiled.memory_analysis()
+    return CompiledStep(name, int(memory.argument_size_in_bytes), int(memory.output_size_in_bytes),
+                        int(memory.alias_size_in_bytes), int(memory.temp_size_in_bytes), _per_device_bytes(batch),
+                        seconds)
+
+
+def abstract_policy(config, mesh):
+    """(graphdef, abstract state) of the model and of its optimizer, placed as the run places them."""
+    from rstar_jax.train import builders
+    from rstar_jax.train.step import OptimizerConfig, make_tx
+
+    rules = builders.mesh_rules(config)
+    model_config = Qwen3Config.from_config(config)
+    tx = make_tx(OptimizerConfig.from_config(config))
+    model = set_activation_shardings(nnx.eval_shape(lambda: Qwen3(model_config, rngs=nnx.Rngs(0))), mesh, rules)
+    optimizer = nnx.eval_shape(lambda: nnx.Optimizer(Qwen3(model_config, rngs=nnx.Rngs(0)), tx, wrt=nnx.Param))
+    model_def, model_state = nnx.split(model)
+    opt_def, opt_state = nnx.split(optimizer)
+    model_abstract = _abstract(model_state, state_shardings(model_state, mesh, rules))
+    opt_abstract = _abstract(opt_state, state_shardings(opt_state, mesh, rules))
+    return (model_def, model_abstract), (opt_def, opt_abstract)
+
+
+def compile_steps(config, mesh) -> list[CompiledStep]:
+    """The RL update and the SFT step of `config` compiled for `mesh` (abstract arrays only)."""
+    from rstar_jax.rl.loss import LossConfig
+    from rstar_jax.train import builders
+    from rstar_jax.train.rl_batch import BatchConfig, row_length_for
+    from rstar_jax.train.sft import _sft_step
+    from rstar_jax.train.step import _train_step
+
+    model_state, opt_state = abstract_policy(config, mesh)
+    batch_config = BatchConfig.from_config(config, builders.data_parallel(mesh))
+    loss_config = LossConfig.from_config(config)
+    chunk = config.rl.logprob_chunk_size
+    temperature = jnp.float32(config.rollout.temperature)
+    rl_batch = _abstract_batch(mesh, batch_config.num_micro_batches, batch_config.rows, batch_config.row_length)
+    steps = [_compile("grpo update", lambda m, o, b: _train_step(m, o, b, loss_config, chunk, temperature),
+                      model_state, opt_state, rl_batch)]
+    sft_row = row_length_for(config.sft.max_length, 1)
+    sft_rows = builders.data_parallel(mesh) * max(1, config.sft.micro_batch_tokens // sft_row)
+    sft_batch = _abstract_batch(mesh, -(-config.sft.batch_size // sft_rows), sft_rows, sft_row)
+    steps.append(_compile("sft step", lambda m, o, b: _sft_step(m, o, b, chunk), model_state, opt_state, sft_batch))
+    return steps
+
+
+def report(config, mesh, steps: list[CompiledStep]) -> str:
+    from rstar_jax.train import builders
+
+    model_config = Qwen3Config.from_config(config)
+    plan = memory_plan(model_config, mesh, rules=builders.mesh_rules(config), preset=config.model.preset,
+                       grad_dtype="float32")
+    mesh_text = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    lines = [f"{config.model.preset}: {plan.num_params / 1e9:.2f}B parameters ({model_config.param_dtype}), "
+             f"compute {model_config.dtype}, remat {model_config.remat_policy}, mesh {mesh_text} "
+             f"({mesh.size} devices)",
+             f"memory plan per device: parameters {plan.param_bytes / GIB:.2f} GiB, gradients (float32) "
+             f"{plan.grad_bytes / GIB:.2f} GiB, optimizer state {plan.opt_state_bytes / GIB:.2f} GiB",
+             f"{'per device, GiB':<16}{'arguments':>10}{'(batch)':>9}{'outputs':>9}{'aliased':>9}{'temps':>9}"
+             f"{'peak':>9}{'MI300X':>9}{'H100':>9}{'compile s':>11}"]
+    for s in steps:
+        fractions = [f"{s.peak_bytes / capacity:>8.0%}" for capacity in DEVICE_MEMORY.values()]
+        lines.append(f"{s.name:<16}{s.argument_bytes / GIB:>10.3f}{s.batch_bytes / GIB:>9.3f}"
+                     f"{s.output_bytes / GIB:>9.3f}{s.alias_bytes / GIB:>9.3f}{s.temp_bytes / GIB:>9.3f}"
+                     f"{s.peak_bytes / GIB:>9.3f} {' '.join(fractions)}{s.compile_s:>11.1f}")
+    lines.append("peak = arguments + outputs - aliased (donated) + temporaries; MI300X 192 GB, H100 80 GB")
+    return "\n".join(lines)
+
+
+def _devices_requested(argv) -> int:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--devices="):
+            return int(arg.split("=", 1)[1])
+        if arg == "--devices" and i + 1 < len(argv):
+            return int(argv[i + 1])
+    return _DEVICES.default
+
+
+def run(config) -> None:
+    from rstar_jax.parallel.mesh import make_mesh
+    from rstar_jax.train import builders
+
+    mesh = make_mesh(*builders.check_mesh(config, jax.device_count()))
+    print(report(config, mesh, compile_steps(config, mesh)), flush=True)
+
+
+def main() -> None:
+    from rstar_jax.cli import config_command
+    from rstar_jax.config import DEFAULT_CONFIG
+
+    # The abstract cluster: that many CPU devices, set before JAX starts its backend.
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", _devices_requested(sys.argv))
+    config_command(DEFAULT_CONFIG, run, check_files=False)
+
+
+if __name__ == "__main__":
+    main()
