@@ -127,7 +127,7 @@ def get_config() -> ml_collections.ConfigDict:
     # 20480 in spec §5.3): every device along the data/fsdp axes holds this many per micro-batch.
     # Here one 8K + 2K row: XLA attention holds each row's T x T scores, and the ahead-of-time
     # compile of the 14B update on 64 devices (benchmarks/RESULTS.md, `python -m
-    # rstar_jax.parallel.aot`) peaks at 82 GiB per device with one row, 153 GiB with the release's two.
+    # rstar_jax.aot`) peaks at 82 GiB per device with one row, 153 GiB with the release's two.
     c.rl.micro_batch_tokens = 10240
     c.rl.use_sampler_logprobs = False  # False: recompute old log-probs with the trainer, as verl does
 

@@ -1,4 +1,4 @@
-"""Ahead-of-time compile of the production steps on an abstract mesh (`python -m rstar_jax.parallel.aot`)."""
+"""Ahead-of-time compile of the production steps on an abstract mesh (`python -m rstar_jax.aot`)."""
 
 import subprocess
 import sys
@@ -9,7 +9,7 @@ import pytest
 from rstar_jax.config import REPO_CONFIGS, load_config_file
 from rstar_jax.model.qwen3 import Qwen3Config
 from rstar_jax.parallel import make_mesh
-from rstar_jax.parallel.aot import abstract_policy, compile_steps
+from rstar_jax.train.aot import abstract_policy, compile_steps
 from rstar_jax.parallel.memory import memory_plan
 from rstar_jax.train import builders
 
@@ -35,7 +35,7 @@ def test_compiled_update_holds_the_planned_parameters_and_optimizer_state_per_de
 
 @pytest.mark.slow
 def test_the_command_prints_the_memory_analysis_beside_the_plan():
-    result = subprocess.run([sys.executable, "-m", "rstar_jax.parallel.aot", "--config=configs/tiny.py", "--devices=4",
+    result = subprocess.run([sys.executable, "-m", "rstar_jax.aot", "--config=configs/tiny.py", "--devices=4",
                              "--config.mesh.fsdp=4"], capture_output=True, text=True, timeout=600,
                             cwd=REPO_CONFIGS.parent)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -95,7 +95,8 @@ def test_launch_reports_every_mistake_at_once(tmp_path):
         "config.rl.kl_coef: must be 0: the KL term needs a reference policy, which this trainer does not keep "
         "(GRPO-RoC has no KL term, spec §5.3)",
         # stage1 leaves its inputs to the command line: a run names them.
-        "config.tokenizer.path: an hf tokenizer needs files: set tokenizer.path or model.hf_path",
+        "config.tokenizer.path: an hf tokenizer needs files: set tokenizer.path or model.hf_path (or continue a run "
+        "with train.init_from)",
         "config.data.train_files: RL needs training problems: list files here or set data.synthetic.enabled=True",
     ]
     assert result.stdout == ""
@@ -141,7 +142,6 @@ def test_filter_hard_reports_every_mistake_at_once(tmp_path):
         # The command's own preconditions, in the same report.
         "config.data.train_files: runs/stage3/hard_subset.jsonl is also filter_hard.output_file; name the full "
         "problem set in filter_hard.input_files",
-        "config.tokenizer.path: an hf tokenizer needs files: set tokenizer.path or model.hf_path",
         "config.train.init_from: runs/stage2/checkpoints does not exist",
     ]
 

@@ -73,7 +73,11 @@ def test_shipped_configs_are_valid_without_their_inputs_and_name_what_to_set(nam
         return
     problems = _problems(_load(name))
     assert problems and all(p.startswith("config.") for p in problems)
-    assert "config.tokenizer.path: an hf tokenizer needs files: set tokenizer.path or model.hf_path" in problems
+    if load_config_file(str(REPO_CONFIGS / f"{name}.py")).train.init_from:  # stages 2, 3: the tokenizer of the run they continue
+        assert any(p.startswith("config.train.init_from: runs/") and "does not exist" in p for p in problems)
+    else:
+        assert any(p.startswith("config.tokenizer.path: an hf tokenizer needs files: set tokenizer.path or "
+                                "model.hf_path") for p in problems)
     if name == "stage3":
         assert any(p.startswith("config.data.train_files: runs/stage3/hard_subset.jsonl does not exist (it is "
                                 "filter_hard.output_file") for p in problems)
@@ -114,7 +118,7 @@ def test_every_recipe_value_cites_the_spec():
         changed = [line for line in body.splitlines() if line.strip().startswith("c.") and "=" in line
                    and not line.strip().startswith(("c.stage", "c.run_dir", "c.train.init_from", "c.rollout.engine",
                                                     "c.filter_hard", "c.data.train_files",
-                                                    # fitted to memory (rstar_jax.parallel.aot), not the recipe's
+                                                    # fitted to memory (rstar_jax.aot), not the recipe's
                                                     "c.rl.micro_batch_tokens", "c.mesh"))]
         assert changed and all("# spec §5.3" in line for line in changed), changed
 
@@ -201,11 +205,13 @@ def test_every_problem_is_reported_at_once_and_dependent_rules_are_skipped(input
 
 
 def test_run_inputs_are_checked_only_with_check_files(inputs):
-    config = _runnable("stage1", inputs, {"data.train_files": (), "model.hf_path": "", "rl.clip_low": 1.5})
+    config = _runnable("stage1", inputs, {"data.train_files": (), "model.hf_path": "", "train.init_from": "",
+                                          "rl.clip_low": 1.5})
     assert _problems(config, check_files=False) == ["config.rl.clip_low: must be in [0, 1), got 1.5"]
     assert _problems(config) == [
         "config.rl.clip_low: must be in [0, 1), got 1.5",
-        "config.tokenizer.path: an hf tokenizer needs files: set tokenizer.path or model.hf_path",
+        "config.tokenizer.path: an hf tokenizer needs files: set tokenizer.path or model.hf_path (or continue a run "
+        "with train.init_from)",
         "config.data.train_files: RL needs training problems: list files here or set data.synthetic.enabled=True",
     ]
 

@@ -13,7 +13,7 @@ import pathlib
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-COMMANDS = {"launch", "evaluate", "serve", "filter_hard"}  # and `python -m rstar_jax.config`
+COMMANDS = {"launch", "evaluate", "serve", "filter_hard", "aot"}  # and `python -m rstar_jax.config`
 LIBRARY = {"model", "parallel", "rl", "agent", "data", "rollout", "evaluation", "train", "analysis"}
 # What each node may import (besides itself). "rstar_jax" is the root package (its version string).
 ALLOWED = {

@@ -341,8 +341,9 @@ def _check_mesh_fields(check: Checker) -> None:
 def _check_tokenizer_source(check: Checker) -> None:
     config = check.config
     if config.tokenizer.kind == "hf":
-        check.require(bool(config.tokenizer.path or config.model.hf_path), "tokenizer.path",
-                      "an hf tokenizer needs files: set tokenizer.path or model.hf_path")
+        check.require(bool(config.tokenizer.path or config.model.hf_path or config.train.init_from), "tokenizer.path",
+                      "an hf tokenizer needs files: set tokenizer.path or model.hf_path (or continue a run with "
+                      "train.init_from)")
 
 
 def check_filter_hard(config: ml_collections.ConfigDict, *, check_files: bool = True) -> tuple[str, ...]:

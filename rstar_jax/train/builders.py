@@ -89,6 +89,28 @@ def data_parallel(mesh: Mesh | None) -> int:
     return 1 if mesh is None else int(mesh.shape["data"] * mesh.shape["fsdp"])
 
 
+def previous_stage(config) -> tuple[str, str]:
+    """(model.hf_path, tokenizer files) the run `train.init_from` started from, from its stored
+    config ("" where it stored none): a stage continuing another has that model shape and tokenizer."""
+    if not config.train.init_from:
+        return "", ""
+    try:
+        stored = stored_config(config.train.init_from) or {}
+    except CheckpointError:
+        return "", ""
+    model, tokenizer = stored.get("model") or {}, stored.get("tokenizer") or {}
+    hf_path = model.get("hf_path") or ""
+    return hf_path, tokenizer.get("path") or hf_path
+
+
+def continue_previous_stage(config) -> None:
+    """An RL stage that continues another (`train.init_from`) without its own `model.hf_path` starts
+    from the model the previous stage started from (its shape; the weights then come from the
+    checkpoint), so stages 2 and 3 need only `train.init_from`. Sets the field in place."""
+    if config.mode == "rl" and config.train.init_from and not config.model.hf_path:
+        config.model.hf_path = previous_stage(config)[0]
+
+
 def build_policy(config, source: PolicySource | None = None) -> tuple[Qwen3, Mesh]:
     """The policy on the config's mesh: an orbax checkpoint (`source`), else `model.hf_path`, else a
     sharded random init. A checkpoint's model shape comes from the config it stores."""
@@ -97,8 +119,13 @@ def build_policy(config, source: PolicySource | None = None) -> tuple[Qwen3, Mes
     if source is not None and source.kind == "servers":
         raise ConfigError(f"config.{source.field}: the policy lives on the servers; there is nothing to load here")
     if source is not None and source.kind == "checkpoint":
-        model = create_sharded_model(Qwen3Config.from_config(config, stored_config(source.path, source.step)), mesh, rules,
-                                     seed=config.seed)
+        stored = stored_config(source.path, source.step) or {}
+        stored_hf = (stored.get("model") or {}).get("hf_path") or ""
+        if stored_hf and pathlib.Path(stored_hf, "config.json").is_file():  # the shape that run loaded
+            model = load_pretrained(stored_hf, mesh=mesh, rules=rules, dtype=config.model.dtype,
+                                    param_dtype=config.model.param_dtype)
+        else:
+            model = create_sharded_model(Qwen3Config.from_config(config, stored), mesh, rules, seed=config.seed)
         with Checkpointer(source.path, async_save=False) as ckpt:
             try:
                 ckpt.restore(source.step, model=model)
@@ -168,7 +195,9 @@ def make_engine(config, model: Qwen3, mesh: Mesh | None, *, max_length: int | No
 # -- protocol and data -----------------------------------------------------------------------------
 
 def tokenizer(config) -> Tokenizer:
-    return load_tokenizer(config.tokenizer.kind, config.tokenizer.path or config.model.hf_path or None)
+    """`tokenizer.path`, else `model.hf_path`'s files, else those of the run `train.init_from` continues."""
+    path = config.tokenizer.path or config.model.hf_path or previous_stage(config)[1]
+    return load_tokenizer(config.tokenizer.kind, path or None)
 
 
 def template(config) -> ChatTemplate:

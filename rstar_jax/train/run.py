@@ -35,6 +35,7 @@ from rstar_jax.train.trainer import RLSettings, RLTrainer
 def run_stage(config) -> dict:
     run_dir = pathlib.Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    builders.continue_previous_stage(config)
     tokenizer, template = builders.tokenizer(config), builders.template(config)
     train_files, sft_files = builders.prepare_data(config)
     model, mesh = builders.build_policy(config)

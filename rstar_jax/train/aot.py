@@ -1,12 +1,10 @@
 """Ahead-of-time compile of a recipe's training steps on an abstract cluster (as MaxText's
 `train_compile.py` does for TPU topologies): no weights are materialised and no accelerator is
-needed; fake CPU devices stand in for the cluster's.
-
-    python -m rstar_jax.parallel.aot --config=configs/stage1.py --devices=64 [--config.a.b=v ...]
+needed; fake CPU devices stand in for the cluster's. The command is `python -m rstar_jax.aot`.
 
 Lowers and compiles the production GRPO-RoC update (`train.step._train_step`: micro-batch scan,
 chunked log-probs, clip-higher loss, AdamW) and the SFT step for the config's model over
-`--devices` devices with the config's mesh, remat policy and micro-batch sizes, and prints XLA's
+a mesh of abstract devices with the config's mesh, remat policy and micro-batch sizes, and prints XLA's
 per-device memory analysis (arguments, outputs, temporaries) beside the memory plan
 (`parallel.memory`) and the memory of an MI300X (192 GB) and an H100 (80 GB). Compiling on CPU
 checks that the program partitions and what it holds; XLA:GPU's temporaries differ somewhat
@@ -16,23 +14,24 @@ checks that the program partitions and what it holds; XLA:GPU's temporaries diff
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import flags
 from flax import nnx
 
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.model.sharding import set_activation_shardings, state_shardings
 from rstar_jax.parallel.memory import GIB, memory_plan
+from rstar_jax.rl.loss import LossConfig
+from rstar_jax.train import builders
+from rstar_jax.train.batching import TrainingSequence, make_micro_batches
+from rstar_jax.train.rl_batch import BatchConfig, row_length_for
+from rstar_jax.train.sft import _sft_step
+from rstar_jax.train.step import OptimizerConfig, _train_step, batch_sharding, make_tx
 
 DEVICE_MEMORY = {"MI300X": 192e9, "H100": 80e9}
-
-_DEVICES = flags.DEFINE_integer("devices", 64, "Devices of the abstract cluster (fake CPU devices).")
-
 
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
@@ -64,9 +63,6 @@ def _per_device_bytes(abstract_tree) -> int:
 
 def _abstract_batch(mesh, num_micro_batches: int, rows: int, row_length: int) -> dict:
     """The [M, rows, T] arrays the trainer places (the same keys and dtypes), rows over data x fsdp."""
-    from rstar_jax.train.batching import TrainingSequence, make_micro_batches
-    from rstar_jax.train.step import batch_sharding
-
     example = make_micro_batches([TrainingSequence(prompt_ids=[1], response_ids=[2], loss_mask=[1], advantage=1.0,
                                                    old_logprobs=[0.0], sampler_logprobs=[0.0])],
                                  rows=1, row_length=2, packed=True, num_micro_batches=1)
@@ -98,9 +94,7 @@ def _compile(name: str, step_fn, model_state, opt_state, batch) -> CompiledStep:
 
 def abstract_policy(config, mesh):
     """(graphdef, abstract state) of the model and of its optimizer, placed as the run places them."""
-    from rstar_jax.train import builders
-    from rstar_jax.train.step import OptimizerConfig, make_tx
-
+    
     rules = builders.mesh_rules(config)
     model_config = Qwen3Config.from_config(config)
     tx = make_tx(OptimizerConfig.from_config(config))
@@ -115,12 +109,7 @@ def abstract_policy(config, mesh):
 
 def compile_steps(config, mesh) -> list[CompiledStep]:
     """The RL update and the SFT step of `config` compiled for `mesh` (abstract arrays only)."""
-    from rstar_jax.rl.loss import LossConfig
-    from rstar_jax.train import builders
-    from rstar_jax.train.rl_batch import BatchConfig, row_length_for
-    from rstar_jax.train.sft import _sft_step
-    from rstar_jax.train.step import _train_step
-
+    
     model_state, opt_state = abstract_policy(config, mesh)
     batch_config = BatchConfig.from_config(config, builders.data_parallel(mesh))
     loss_config = LossConfig.from_config(config)
@@ -137,8 +126,7 @@ def compile_steps(config, mesh) -> list[CompiledStep]:
 
 
 def report(config, mesh, steps: list[CompiledStep]) -> str:
-    from rstar_jax.train import builders
-
+    
     model_config = Qwen3Config.from_config(config)
     plan = memory_plan(model_config, mesh, rules=builders.mesh_rules(config), preset=config.model.preset,
                        grad_dtype="float32")
@@ -157,34 +145,3 @@ def report(config, mesh, steps: list[CompiledStep]) -> str:
                      f"{s.peak_bytes / GIB:>9.3f} {' '.join(fractions)}{s.compile_s:>11.1f}")
     lines.append("peak = arguments + outputs - aliased (donated) + temporaries; MI300X 192 GB, H100 80 GB")
     return "\n".join(lines)
-
-
-def _devices_requested(argv) -> int:
-    for i, arg in enumerate(argv):
-        if arg.startswith("--devices="):
-            return int(arg.split("=", 1)[1])
-        if arg == "--devices" and i + 1 < len(argv):
-            return int(argv[i + 1])
-    return _DEVICES.default
-
-
-def run(config) -> None:
-    from rstar_jax.parallel.mesh import make_mesh
-    from rstar_jax.train import builders
-
-    mesh = make_mesh(*builders.check_mesh(config, jax.device_count()))
-    print(report(config, mesh, compile_steps(config, mesh)), flush=True)
-
-
-def main() -> None:
-    from rstar_jax.cli import config_command
-    from rstar_jax.config import DEFAULT_CONFIG
-
-    # The abstract cluster: that many CPU devices, set before JAX starts its backend.
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", _devices_requested(sys.argv))
-    config_command(DEFAULT_CONFIG, run, check_files=False)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,45 @@
+"""`python -m rstar_jax.aot --config=configs/stage1.py --devices=64 [--config.a.b=v ...]`: the
+config's GRPO-RoC update and SFT step compiled ahead of time over that many abstract devices (fake
+CPU devices, abstract arrays: no weights, no accelerator), with XLA's per-device memory analysis
+beside the memory plan and an MI300X's and an H100's memory (see `rstar_jax.train.aot`).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import jax
+from absl import flags
+
+from rstar_jax.cli import config_command
+from rstar_jax.config import DEFAULT_CONFIG
+from rstar_jax.parallel import make_mesh
+from rstar_jax.train import builders
+from rstar_jax.train.aot import compile_steps, report
+
+_DEVICES = flags.DEFINE_integer("devices", 64, "Devices of the abstract cluster (fake CPU devices).")
+
+
+def _devices_requested(argv) -> int:
+    for i, arg in enumerate(argv):
+        if arg.startswith("--devices="):
+            return int(arg.split("=", 1)[1])
+        if arg == "--devices" and i + 1 < len(argv):
+            return int(argv[i + 1])
+    return _DEVICES.default
+
+
+def run(config) -> None:
+    mesh = make_mesh(*builders.check_mesh(config, jax.device_count()))
+    print(report(config, mesh, compile_steps(config, mesh)), flush=True)
+
+
+def main() -> None:
+    # The abstract cluster: that many CPU devices, set before JAX starts its backend.
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", _devices_requested(sys.argv))
+    config_command(DEFAULT_CONFIG, run, check_files=False)
+
+
+if __name__ == "__main__":
+    main()
