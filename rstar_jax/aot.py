@@ -1,6 +1,7 @@
 """`python -m rstar_jax.aot --config=configs/stage1.py --devices=64 [--config.a.b=v ...]`: the
 config's GRPO-RoC update and SFT step compiled ahead of time over that many abstract devices (fake
-CPU devices, abstract arrays: no weights, no accelerator), with XLA's per-device memory analysis
+CPU devices, abstract arrays: no weights, no accelerator), and the engine's prefill and decode at
+`--generation_tp`, with XLA's per-device memory analysis
 beside the memory plan and an MI300X's and an H100's memory (see `rstar_jax.train.aot`).
 """
 
@@ -15,9 +16,11 @@ from rstar_jax.cli import config_command
 from rstar_jax.config import DEFAULT_CONFIG
 from rstar_jax.parallel import make_mesh
 from rstar_jax.train import builders
-from rstar_jax.train.aot import compile_steps, report
+from rstar_jax.train.aot import compile_engine, compile_steps, report
 
 _DEVICES = flags.DEFINE_integer("devices", 64, "Devices of the abstract cluster (fake CPU devices).")
+_GENERATION_TP = flags.DEFINE_integer("generation_tp", 4, "Tensor-parallel size of a generation replica (the "
+                                      "release served the 14B policy at TP 4); 0 skips the engine.")
 
 
 def _devices_requested(argv) -> int:
@@ -31,7 +34,10 @@ def _devices_requested(argv) -> int:
 
 def run(config) -> None:
     mesh = make_mesh(*builders.check_mesh(config, jax.device_count()))
-    print(report(config, mesh, compile_steps(config, mesh)), flush=True)
+    steps = compile_steps(config, mesh)
+    if _GENERATION_TP.value:
+        steps += compile_engine(config, _GENERATION_TP.value)
+    print(report(config, mesh, steps), flush=True)
 
 
 def main() -> None:

@@ -26,18 +26,19 @@ def test_compiled_update_holds_the_planned_parameters_and_optimizer_state_per_de
     plan = memory_plan(Qwen3Config.from_config(config), mesh, rules=builders.mesh_rules(config))
     counters = sum(x.dtype.itemsize for x in jax.tree.leaves(abstract_policy(config, mesh)[1][1]) if x.ndim == 0)
     for step in (update, sft):
-        assert step.argument_bytes - step.batch_bytes == plan.param_bytes + plan.opt_state_bytes + counters, step
+        assert step.argument_bytes - step.data_bytes == plan.param_bytes + plan.opt_state_bytes + counters, step
         assert step.alias_bytes == plan.param_bytes + plan.opt_state_bytes + counters  # donated in place
     # RoC keeps at most 4 x 16 trajectories of up to 8K + 2K tokens, one 10240-token row each per
     # micro-batch and device: 8 micro-batches x 1 row per device x 8 arrays of 4 bytes.
-    assert update.batch_bytes == 8 * 1 * 10240 * 8 * 4
+    assert update.data_bytes == 8 * 1 * 10240 * 8 * 4
 
 
 @pytest.mark.slow
 def test_the_command_prints_the_memory_analysis_beside_the_plan():
     result = subprocess.run([sys.executable, "-m", "rstar_jax.aot", "--config=configs/tiny.py", "--devices=4",
-                             "--config.mesh.fsdp=4"], capture_output=True, text=True, timeout=600,
+                             "--config.mesh.fsdp=4", "--generation_tp=2"], capture_output=True, text=True, timeout=600,
                             cwd=REPO_CONFIGS.parent)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "mesh data=1 x fsdp=4 x tensor=1 (4 devices)" in result.stdout
-    assert "grpo update" in result.stdout and "sft step" in result.stdout and "memory plan per device" in result.stdout
+    for row in ("grpo update", "sft step", "engine prefill (tp 2)", "engine decode (tp 2)", "memory plan per device"):
+        assert row in result.stdout

@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import functools
 import itertools
 import queue
 import threading
@@ -76,6 +77,31 @@ MIN_NEW_TOKEN_RATIO = 0.7 * 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_DECODE_STEPS = 20  # SGLang's headroom per running request in the post-retraction estimate
 PREFIX_HEAD = 64  # leading tokens that index the prefix cache
+
+
+def prefill_step(graphdef, original_logprobs: bool, state, cache: PagedKVCache, tables, ids, starts, lengths, key,
+                 seeds, temperature, top_p, top_k):
+    """The engine's prefill kernel (jitted with `graphdef` and `original_logprobs` bound, the cache
+    donated): row r holds context[starts[r]:lengths[r]], written into its pages; one token sampled
+    per row. Returns (cache, tokens, logprobs)."""
+    model = nnx.merge(graphdef, state)
+    # Positions before starts[r] are already in row r's pages.
+    positions = starts[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
+    logits, cache = model.forward_with_paged_cache(ids, positions, cache, tables, logits_at=lengths - starts - 1)
+    # The first sampled token sits at absolute position `length`.
+    keys = row_keys(key, seeds, lengths)
+    tokens, logprobs = sample_tokens(logits[:, 0], keys, temperature, top_p, top_k, original=original_logprobs)
+    return cache, tokens, logprobs
+
+
+def decode_step(graphdef, original_logprobs: bool, state, cache: PagedKVCache, page_table, tokens, positions, key,
+                seeds, temperature, top_p, top_k):
+    """The engine's decode kernel: one token for every slot. Returns (cache, tokens, logprobs)."""
+    model = nnx.merge(graphdef, state)
+    logits, cache = model.forward_with_paged_cache(tokens[:, None], positions[:, None], cache, page_table)
+    keys = row_keys(key, seeds, positions + 1)  # the sampled token's absolute position
+    next_tokens, logprobs = sample_tokens(logits[:, 0], keys, temperature, top_p, top_k, original=original_logprobs)
+    return cache, next_tokens, logprobs
 
 
 def pool_sharding(mesh: jax.sharding.Mesh, kv_heads: int) -> jax.sharding.NamedSharding:
@@ -183,34 +209,11 @@ class JaxEngine:
         self._pause_mode: str | None = None
         self._thread = threading.Thread(target=self._run, name="jax-engine", daemon=True)
         self._rid_counter = itertools.count()
-        self._prefill = jax.jit(self._prefill_fn, donate_argnums=(1,))
-        self._decode = jax.jit(self._decode_fn, donate_argnums=(1,))
+        self._prefill = jax.jit(functools.partial(prefill_step, self._graphdef, original_logprobs), donate_argnums=(1,))
+        self._decode = jax.jit(functools.partial(decode_step, self._graphdef, original_logprobs), donate_argnums=(1,))
         self.steps = 0
         self.retractions = 0  # requests retracted so far (all of them)
         self._thread.start()
-
-    # -- jitted kernels -----------------------------------------------------------------------
-    def _prefill_fn(self, state, cache: PagedKVCache, tables, ids, starts, lengths, key, seeds, temperature, top_p,
-                    top_k):
-        model = nnx.merge(self._graphdef, state)
-        # Row r holds context[starts[r]:lengths[r]]: positions before starts[r] are already in its pages.
-        positions = starts[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
-        logits, cache = model.forward_with_paged_cache(ids, positions, cache, tables, logits_at=lengths - starts - 1)
-        # The first sampled token sits at absolute position `length`.
-        keys = row_keys(key, seeds, lengths)
-        tokens, logprobs = sample_tokens(logits[:, 0], keys, temperature, top_p, top_k,
-                                         original=self._original_logprobs)
-        return cache, tokens, logprobs
-
-    def _decode_fn(self, state, cache: PagedKVCache, page_table, tokens, positions, key, seeds, temperature,
-                   top_p, top_k):
-        model = nnx.merge(self._graphdef, state)
-        logits, cache = model.forward_with_paged_cache(tokens[:, None], positions[:, None], cache, page_table)
-        logits = logits[:, 0]
-        keys = row_keys(key, seeds, positions + 1)  # the sampled token's absolute position
-        next_tokens, logprobs = sample_tokens(logits, keys, temperature, top_p, top_k,
-                                              original=self._original_logprobs)
-        return cache, next_tokens, logprobs
 
     # -- public API ---------------------------------------------------------------------------
     @property

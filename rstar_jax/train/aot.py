@@ -14,6 +14,7 @@ checks that the program partitions and what it holds; XLA:GPU's temporaries diff
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -24,7 +25,9 @@ from flax import nnx
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.model.sharding import set_activation_shardings, state_shardings
 from rstar_jax.parallel.memory import GIB, memory_plan
+from rstar_jax.parallel import make_mesh
 from rstar_jax.rl.loss import LossConfig
+from rstar_jax.rollout.engine import decode_step, pool_sharding, prefill_step
 from rstar_jax.train import builders
 from rstar_jax.train.batching import TrainingSequence, make_micro_batches
 from rstar_jax.train.rl_batch import BatchConfig, row_length_for
@@ -40,7 +43,7 @@ class CompiledStep:
     output_bytes: int
     alias_bytes: int  # outputs written into donated arguments
     temp_bytes: int
-    batch_bytes: int  # per device, of argument_bytes
+    data_bytes: int  # per device, of argument_bytes: the batch (training) or the KV page pool (engine)
     compile_s: float
 
     @property
@@ -109,7 +112,6 @@ def abstract_policy(config, mesh):
 
 def compile_steps(config, mesh) -> list[CompiledStep]:
     """The RL update and the SFT step of `config` compiled for `mesh` (abstract arrays only)."""
-    
     model_state, opt_state = abstract_policy(config, mesh)
     batch_config = BatchConfig.from_config(config, builders.data_parallel(mesh))
     loss_config = LossConfig.from_config(config)
@@ -126,7 +128,6 @@ def compile_steps(config, mesh) -> list[CompiledStep]:
 
 
 def report(config, mesh, steps: list[CompiledStep]) -> str:
-    
     model_config = Qwen3Config.from_config(config)
     plan = memory_plan(model_config, mesh, rules=builders.mesh_rules(config), preset=config.model.preset,
                        grad_dtype="float32")
@@ -136,12 +137,56 @@ def report(config, mesh, steps: list[CompiledStep]) -> str:
              f"({mesh.size} devices)",
              f"memory plan per device: parameters {plan.param_bytes / GIB:.2f} GiB, gradients (float32) "
              f"{plan.grad_bytes / GIB:.2f} GiB, optimizer state {plan.opt_state_bytes / GIB:.2f} GiB",
-             f"{'per device, GiB':<16}{'arguments':>10}{'(batch)':>9}{'outputs':>9}{'aliased':>9}{'temps':>9}"
+             f"{'per device, GiB':<22}{'arguments':>10}{'(data)':>9}{'outputs':>9}{'aliased':>9}{'temps':>9}"
              f"{'peak':>9}{'MI300X':>9}{'H100':>9}{'compile s':>11}"]
     for s in steps:
         fractions = [f"{s.peak_bytes / capacity:>8.0%}" for capacity in DEVICE_MEMORY.values()]
-        lines.append(f"{s.name:<16}{s.argument_bytes / GIB:>10.3f}{s.batch_bytes / GIB:>9.3f}"
+        lines.append(f"{s.name:<22}{s.argument_bytes / GIB:>10.3f}{s.data_bytes / GIB:>9.3f}"
                      f"{s.output_bytes / GIB:>9.3f}{s.alias_bytes / GIB:>9.3f}{s.temp_bytes / GIB:>9.3f}"
                      f"{s.peak_bytes / GIB:>9.3f} {' '.join(fractions)}{s.compile_s:>11.1f}")
-    lines.append("peak = arguments + outputs - aliased (donated) + temporaries; MI300X 192 GB, H100 80 GB")
+    lines.append("peak = arguments + outputs - aliased (donated) + temporaries; (data): the batch or the KV page pool; "
+                 "MI300X 192 GB, H100 80 GB")
     return "\n".join(lines)
+
+
+def compile_engine(config, tensor: int) -> list[CompiledStep]:
+    """The in-process engine's prefill (a full prefill batch of the longest bucket) and decode (every
+    slot) at `tensor`-way tensor parallelism over the first `tensor` devices, with
+    `rollout.engine`'s slots and KV page pool: what one generation replica of that size holds."""
+    e = config.rollout.engine
+    mesh = make_mesh(data=1, fsdp=1, tensor=tensor, devices=jax.devices()[:tensor])
+    rules = builders.mesh_rules(config)
+    model_config = Qwen3Config.from_config(config)
+    model = set_activation_shardings(nnx.eval_shape(lambda: Qwen3(model_config, rngs=nnx.Rngs(0))), mesh, rules)
+    graphdef, state = nnx.split(model)
+    state = _abstract(state, state_shardings(state, mesh, rules))
+    total = e.max_total_tokens or e.slots * e.max_length
+    num_pages, span = -(-max(total, e.max_length) // e.page_size), -(-e.max_length // e.page_size)
+    cache = jax.eval_shape(lambda: model.init_paged_cache(num_pages, e.page_size))
+    pool = pool_sharding(mesh, model_config.num_kv_heads)
+    cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pool), cache)
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    key = jax.eval_shape(lambda: jax.random.key(0))
+
+    def arrays(*shapes_and_dtypes):
+        return [jax.ShapeDtypeStruct(shape, dtype, sharding=replicated) for shape, dtype in shapes_and_dtypes]
+
+    def sampling(rows):
+        return arrays(((rows,), jnp.int32), ((rows,), jnp.float32), ((rows,), jnp.float32), ((rows,), jnp.int32))
+
+    key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
+    rows = min(8, e.slots)  # JaxEngine's prefill batch
+    prefill_args = [state, cache, *arrays(((rows, span), jnp.int32), ((rows, e.max_length), jnp.int32),
+                                          ((rows,), jnp.int32), ((rows,), jnp.int32)), key, *sampling(rows)]
+    decode_args = [state, cache, *arrays(((e.slots, span), jnp.int32), ((e.slots,), jnp.int32),
+                                         ((e.slots,), jnp.int32)), key, *sampling(e.slots)]
+    steps = []
+    for name, kernel, args in ((f"engine prefill (tp {tensor})", prefill_step, prefill_args),
+                               (f"engine decode (tp {tensor})", decode_step, decode_args)):
+        t0 = time.perf_counter()
+        compiled = jax.jit(functools.partial(kernel, graphdef, False), donate_argnums=(1,)).lower(*args).compile()
+        memory = compiled.memory_analysis()
+        steps.append(CompiledStep(name, int(memory.argument_size_in_bytes), int(memory.output_size_in_bytes),
+                                  int(memory.alias_size_in_bytes), int(memory.temp_size_in_bytes),
+                                  _per_device_bytes(cache), time.perf_counter() - t0))
+    return steps
