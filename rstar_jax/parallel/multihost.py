@@ -1,7 +1,7 @@
 """What the processes of one `jax.distributed` job share, split and exchange on the host side.
 
-Every process runs the same program over one global mesh (see DESIGN.md, "Several processes"). The
-host-side pieces here are the only places the run asks which process it is:
+Every process runs the same program over one global mesh (launch/README.md, "Several trainer
+processes"). The host-side pieces here are the only places the run asks which process it is:
 
 - `share(n)`: this process's contiguous part of n items (prompts, questions, servers);
 - `allgather_json(obj)`: every process's JSON-able value, in process order, on every process (the

@@ -16,7 +16,6 @@ import dataclasses
 import pathlib
 
 import numpy as np
-
 from jax.sharding import Mesh
 
 from rstar_jax.agent.template import ChatTemplate
