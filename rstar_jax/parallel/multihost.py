@@ -27,14 +27,11 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.experimental import multihost_utils
 
 from rstar_jax.errors import UserError
 from rstar_jax.model.hf import host_value
-
-
-def process_count() -> int:
-    return jax.process_count()
 
 
 def is_writer() -> bool:
@@ -72,8 +69,6 @@ def allgather_json(value: Any) -> list[Any]:
 
 def host_state(model) -> Any:
     """The model's `nnx.State` with every array whole on this host (collective: all processes call it)."""
-    from flax import nnx
-
     return jax.tree.map(lambda x: host_value(x) if isinstance(x, jax.Array) else x, nnx.state(model))
 
 
@@ -92,7 +87,7 @@ def exit_job_on_failure() -> Iterator[None]:
     otherwise) instead of unwinding into `jax.distributed`'s shutdown barrier, where it would wait
     for processes that are themselves waiting in a collective for it. The others then fail in
     their next collective, or when the coordination service misses this process's heartbeat
-    (`heartbeat_timeout_s` of `maybe_initialize_distributed`): every process exits within a
+    (`JAX_HEARTBEAT_TIMEOUT_S`, see `maybe_initialize_distributed`): every process exits within a
     bounded time."""
     if jax.process_count() == 1:
         yield

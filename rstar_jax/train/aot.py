@@ -24,8 +24,8 @@ from flax import nnx
 
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.model.sharding import set_activation_shardings, state_shardings
-from rstar_jax.parallel.memory import GIB, memory_plan
 from rstar_jax.parallel import make_mesh
+from rstar_jax.parallel.memory import GIB, memory_plan
 from rstar_jax.rl.loss import LossConfig
 from rstar_jax.rollout.engine import decode_step, pool_sharding, prefill_step
 from rstar_jax.train import builders
@@ -35,6 +35,7 @@ from rstar_jax.train.sft import _sft_step
 from rstar_jax.train.step import OptimizerConfig, _train_step, batch_sharding, make_tx
 
 DEVICE_MEMORY = {"MI300X": 192e9, "H100": 80e9}
+
 
 @dataclasses.dataclass(frozen=True)
 class CompiledStep:
@@ -84,30 +85,37 @@ def _compile(name: str, step_fn, model_state, opt_state, batch) -> CompiledStep:
     opt_def, opt_abstract = opt_state
     out_shardings = (jax.tree.map(lambda x: x.sharding, model_abstract),
                      jax.tree.map(lambda x: x.sharding, opt_abstract), None)
+    jitted = jax.jit(lambda m, o, b: update((model_def, m), (opt_def, o), b), out_shardings=out_shardings,
+                     donate_argnums=(0, 1), keep_unused=True)  # the placed batch is on the devices either way
+    return _measure(name, jitted, (model_abstract, opt_abstract, batch), data=batch)
+
+
+def _measure(name: str, jitted, args, *, data) -> CompiledStep:
+    """Compiles `jitted` for the abstract `args`; `data` is the part of them reported as data."""
     t0 = time.perf_counter()
-    compiled = jax.jit(lambda m, o, b: update((model_def, m), (opt_def, o), b), out_shardings=out_shardings,
-                       donate_argnums=(0, 1), keep_unused=True,  # the placed batch is on the devices either way
-                       ).lower(model_abstract, opt_abstract, batch).compile()
-    seconds = time.perf_counter() - t0
-    memory = compiled.memory_analysis()
+    memory = jitted.lower(*args).compile().memory_analysis()
     return CompiledStep(name, int(memory.argument_size_in_bytes), int(memory.output_size_in_bytes),
-                        int(memory.alias_size_in_bytes), int(memory.temp_size_in_bytes), _per_device_bytes(batch),
-                        seconds)
+                        int(memory.alias_size_in_bytes), int(memory.temp_size_in_bytes), _per_device_bytes(data),
+                        time.perf_counter() - t0)
+
+
+def _abstract_model(config, mesh):
+    """(graphdef, abstract state placed on `mesh`) of the config's model, and the abstract module."""
+    rules = builders.mesh_rules(config)
+    model_config = Qwen3Config.from_config(config)
+    model = set_activation_shardings(nnx.eval_shape(lambda: Qwen3(model_config, rngs=nnx.Rngs(0))), mesh, rules)
+    graphdef, state = nnx.split(model)
+    return (graphdef, _abstract(state, state_shardings(state, mesh, rules))), model
 
 
 def abstract_policy(config, mesh):
     """(graphdef, abstract state) of the model and of its optimizer, placed as the run places them."""
-    
-    rules = builders.mesh_rules(config)
     model_config = Qwen3Config.from_config(config)
     tx = make_tx(OptimizerConfig.from_config(config))
-    model = set_activation_shardings(nnx.eval_shape(lambda: Qwen3(model_config, rngs=nnx.Rngs(0))), mesh, rules)
     optimizer = nnx.eval_shape(lambda: nnx.Optimizer(Qwen3(model_config, rngs=nnx.Rngs(0)), tx, wrt=nnx.Param))
-    model_def, model_state = nnx.split(model)
     opt_def, opt_state = nnx.split(optimizer)
-    model_abstract = _abstract(model_state, state_shardings(model_state, mesh, rules))
-    opt_abstract = _abstract(opt_state, state_shardings(opt_state, mesh, rules))
-    return (model_def, model_abstract), (opt_def, opt_abstract)
+    opt_abstract = _abstract(opt_state, state_shardings(opt_state, mesh, builders.mesh_rules(config)))
+    return _abstract_model(config, mesh)[0], (opt_def, opt_abstract)
 
 
 def compile_steps(config, mesh) -> list[CompiledStep]:
@@ -155,15 +163,11 @@ def compile_engine(config, tensor: int) -> list[CompiledStep]:
     `rollout.engine`'s slots and KV page pool: what one generation replica of that size holds."""
     e = config.rollout.engine
     mesh = make_mesh(data=1, fsdp=1, tensor=tensor, devices=jax.devices()[:tensor])
-    rules = builders.mesh_rules(config)
-    model_config = Qwen3Config.from_config(config)
-    model = set_activation_shardings(nnx.eval_shape(lambda: Qwen3(model_config, rngs=nnx.Rngs(0))), mesh, rules)
-    graphdef, state = nnx.split(model)
-    state = _abstract(state, state_shardings(state, mesh, rules))
+    (graphdef, state), model = _abstract_model(config, mesh)
     total = e.max_total_tokens or e.slots * e.max_length
     num_pages, span = -(-max(total, e.max_length) // e.page_size), -(-e.max_length // e.page_size)
     cache = jax.eval_shape(lambda: model.init_paged_cache(num_pages, e.page_size))
-    pool = pool_sharding(mesh, model_config.num_kv_heads)
+    pool = pool_sharding(mesh, model.config.num_kv_heads)
     cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pool), cache)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -180,13 +184,6 @@ def compile_engine(config, tensor: int) -> list[CompiledStep]:
                                           ((rows,), jnp.int32), ((rows,), jnp.int32)), key, *sampling(rows)]
     decode_args = [state, cache, *arrays(((e.slots, span), jnp.int32), ((e.slots,), jnp.int32),
                                          ((e.slots,), jnp.int32)), key, *sampling(e.slots)]
-    steps = []
-    for name, kernel, args in ((f"engine prefill (tp {tensor})", prefill_step, prefill_args),
-                               (f"engine decode (tp {tensor})", decode_step, decode_args)):
-        t0 = time.perf_counter()
-        compiled = jax.jit(functools.partial(kernel, graphdef, False), donate_argnums=(1,)).lower(*args).compile()
-        memory = compiled.memory_analysis()
-        steps.append(CompiledStep(name, int(memory.argument_size_in_bytes), int(memory.output_size_in_bytes),
-                                  int(memory.alias_size_in_bytes), int(memory.temp_size_in_bytes),
-                                  _per_device_bytes(cache), time.perf_counter() - t0))
-    return steps
+    return [_measure(name, jax.jit(functools.partial(kernel, graphdef, False), donate_argnums=(1,)), args, data=cache)
+            for name, kernel, args in ((f"engine prefill (tp {tensor})", prefill_step, prefill_args),
+                                       (f"engine decode (tp {tensor})", decode_step, decode_args))]

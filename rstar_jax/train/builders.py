@@ -175,7 +175,7 @@ def engine_policy(config, model: Qwen3, mesh: Mesh) -> tuple[Qwen3, Mesh]:
     """The policy the in-process engine samples from: the trained one on its mesh, or under several
     processes a host-local replica on this host's devices (each process generates its own share of
     the trajectories, at its own pace, which one program over the global mesh cannot)."""
-    if multihost.process_count() == 1:
+    if jax.process_count() == 1:
         return model, mesh
     devices = multihost.engine_devices(dict(mesh.shape))
     local_mesh = make_mesh(data=1, fsdp=1, tensor=len(devices), devices=devices)
@@ -327,7 +327,7 @@ def local_servers(config, model: Qwen3) -> Iterator[list[str]]:
     if not r.local_servers:
         yield list(r.servers)
         return
-    if multihost.process_count() > 1:
+    if jax.process_count() > 1:
         raise ConfigError("config.rollout.local_servers: servers started by each trainer process are reachable only "
                           "from its host; under several processes start SGLang servers and list them in "
                           "rollout.servers (or use rollout.backend='jax')")
@@ -384,7 +384,7 @@ def generation_share(generators: Sequence) -> list:
     """The servers this process generates on: under P processes, every P-th from its index when
     there are at least P servers (each server has one client process), else all of them (their
     schedulers balance on the load the servers report)."""
-    count = multihost.process_count()
+    count = jax.process_count()
     if count == 1 or len(generators) < count:
         return list(generators)
     return list(generators)[jax.process_index()::count]

@@ -181,7 +181,7 @@ class HeldOutEvaluation:
         config, k = self.config, self.config.eval.k
         directory = pathlib.Path(config.run_dir) / "eval" / f"step_{step}"
         questions, store_dir = self.questions, directory
-        if multihost.process_count() > 1:
+        if jax.process_count() > 1:
             questions = questions[multihost.share(len(questions))]
             store_dir = directory / f"process_{jax.process_index()}"
         store = SampleStore(store_dir, settings_of(config, self.loop, k=k, files=self.files,

@@ -110,7 +110,7 @@ class RLTrainer:
         contiguous share (group ids as one process would number them) and every process gets all
         trajectories, in group order. RoC, advantages and the batch are then the same on every
         process (and the same as one process's), and each process places its rows of it."""
-        if multihost.process_count() == 1:
+        if jax.process_count() == 1:
             return await self.rollout(prompts, first_group_id=first_group_id)
         mine = multihost.share(len(prompts))
         own = await self.rollout(prompts[mine], first_group_id=first_group_id + mine.start)

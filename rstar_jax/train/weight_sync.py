@@ -17,6 +17,8 @@ import os
 import pathlib
 from typing import Protocol, Sequence
 
+import jax
+
 from rstar_jax.model.hf import save_pretrained
 from rstar_jax.parallel import multihost
 from rstar_jax.rollout.engine import JaxEngine
@@ -43,7 +45,7 @@ class EngineSync:
     async def push(self, model, version: int) -> None:
         # Under several processes the engine holds a host-local replica: every process gathers the
         # trained parameters (a collective, so here on the loop's thread, in step with the others).
-        source = multihost.host_state(model) if multihost.process_count() > 1 else model
+        source = multihost.host_state(model) if jax.process_count() > 1 else model
         # update_weights blocks until running requests drain; keep the event loop free meanwhile.
         self.version = await asyncio.to_thread(self.engine.update_weights, source, version=version)
 
@@ -80,7 +82,7 @@ async def sync_weights_via_disk(model, generators: Sequence[SGLangGenerator], di
         raise ValueError(f"sync_weights_via_disk: mode must be one of {DISK_SYNC_MODES}, got {mode!r}")
     # Every process takes part in the export's gathers (one writes). Under several processes the
     # writer process loads every server once the files are complete, and the others wait for it.
-    if multihost.process_count() > 1:
+    if jax.process_count() > 1:
         path = save_pretrained(model, directory, dtype=dtype)  # collectives stay on this thread
         multihost.barrier(f"weights {version} exported")
         if not multihost.is_writer():
