@@ -133,3 +133,19 @@ def test_one_process_needs_no_collective():
 
     assert multihost.is_writer() and multihost.allgather_json({"a": [1.5]}) == [{"a": [1.5]}]
     assert builders.generation_share(["s0", "s1", "s2"]) == ["s0", "s1", "s2"]
+
+
+def test_a_continuing_stage_takes_the_previous_runs_model_and_tokenizer(tmp_path):
+    """Stage 2 with only train.init_from: the model and tokenizer files the previous run stored."""
+    import json
+
+    stored = tmp_path / "stage1" / "checkpoints" / "3" / "config"
+    stored.mkdir(parents=True)
+    (stored / "metadata").write_text(json.dumps({"model": {"hf_path": "runs/sft/hf/final"},
+                                                 "tokenizer": {"path": "tokenizers/qwen3"}}))
+    config = _config(**{"train.init_from": str(tmp_path / "stage1"), "model.hf_path": "", "tokenizer.path": ""})
+    builders.continue_previous_stage(config)
+    assert (config.model.hf_path, config.tokenizer.path) == ("runs/sft/hf/final", "tokenizers/qwen3")
+    mine = _config(**{"train.init_from": str(tmp_path / "stage1"), "model.hf_path": "", "tokenizer.path": "mine"})
+    builders.continue_previous_stage(mine)
+    assert mine.tokenizer.path == "mine"  # what the user set wins

@@ -106,9 +106,12 @@ def previous_stage(config) -> tuple[str, str]:
 def continue_previous_stage(config) -> None:
     """An RL stage that continues another (`train.init_from`) without its own `model.hf_path` starts
     from the model the previous stage started from (its shape; the weights then come from the
-    checkpoint), so stages 2 and 3 need only `train.init_from`. Sets the field in place."""
+    checkpoint) with its tokenizer, so stages 2 and 3 need only `train.init_from`. Sets the fields
+    in place."""
     if config.mode == "rl" and config.train.init_from and not config.model.hf_path:
-        config.model.hf_path = previous_stage(config)[0]
+        hf_path, tokenizer_files = previous_stage(config)
+        config.model.hf_path = hf_path
+        config.tokenizer.path = config.tokenizer.path or tokenizer_files
 
 
 def build_policy(config, source: PolicySource | None = None) -> tuple[Qwen3, Mesh]:
