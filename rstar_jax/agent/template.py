@@ -136,26 +136,32 @@ class ChatTemplate:
         return self.system_text() + self.user_text(question) + GENERATION_PROMPT
 
     def prompt_ids(self, tokenizer: Tokenizer, question: str) -> list[int]:
+        """`tokenizer.encode(render_prompt(question))`: the pieces meet only at `<|im_start|>`, a
+        special token that BPE never merges across; the user turn alone is what varies per question."""
         return (tokenizer.encode(self.system_text()) + tokenizer.encode(self.user_text(question))
                 + tokenizer.encode(GENERATION_PROMPT))
 
     @staticmethod
-    def tool_response_text(observation: str) -> str:
-        return (f"{IM_START}user\n<tool_response>\n{observation}\n</tool_response>{IM_END}\n"
-                f"{GENERATION_PROMPT}")
-
-    def tool_response_ids(self, tokenizer: Tokenizer, observation: str | Sequence[str]) -> list[int]:
-        """Ids appended after a turn's tool calls (loss mask 0), ending in the next forced `<reason>`.
+    def tool_response_text(observation: str | Sequence[str]) -> str:
+        """The user message carrying a turn's tool results, then the next forced `<reason>`.
 
         Several observations (several calls in one turn) each get their own <tool_response> block
         inside the one user message, as the release's template renders consecutive tool messages.
         """
         observations = [observation] if isinstance(observation, str) else list(observation)
-        ids = tokenizer.encode(f"{IM_START}user")
-        for obs in observations:
-            ids += tokenizer.encode("\n<tool_response>\n") + tokenizer.encode(obs)
-            ids += tokenizer.encode("\n</tool_response>")
-        return ids + tokenizer.encode(f"{IM_END}\n") + tokenizer.encode(GENERATION_PROMPT)
+        blocks = "".join(f"\n<tool_response>\n{obs}\n</tool_response>" for obs in observations)
+        return f"{IM_START}user{blocks}{IM_END}\n{GENERATION_PROMPT}"
+
+    def tool_response_ids(self, tokenizer: Tokenizer, observation: str | Sequence[str]) -> list[int]:
+        """Ids appended after a turn's tool calls (loss mask 0), ending in the next forced `<reason>`.
+
+        One encode of the whole rendered text, as the release tokenizes the tool messages: a BPE
+        vocabulary merges an observation's edge whitespace with the template's `\\n` (bare stdout
+        ending in "\\n" gives one `\\n\\n` token), which separately encoded pieces would not. The text
+        starts at `<|im_start|>`, a special token, so appending these ids after a turn that ends in
+        `<|im_end|>` equals tokenizing the concatenated text.
+        """
+        return tokenizer.encode(self.tool_response_text(observation))
 
     def sft_segments(self, messages: Sequence[dict]) -> list[tuple[str, bool]]:
         """Renders a solved conversation as (text, trained) segments for SFT.
