@@ -115,8 +115,18 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl = ml_collections.ConfigDict()
     c.rl.group_size = 16  # spec §5.3: RoC keeps 16 of 32
     c.rl.roc_variant = "paper"  # "paper" (spec §1.4) | "release" (spec §1.3)
-    c.rl.roc_epsilon = 1e-3  # paper variant: weight 1 / (p_total + epsilon)
+    # Paper variant: positives drawn with weight 1 / (p_total + epsilon). The paper gives no epsilon;
+    # at 1e-3 a zero-penalty positive weighs ~500x one without tool calls, so the draw is nearly the
+    # release's lowest-penalty-first (rstar_jax/rl/roc.py explains; ~0.1 keeps it visibly random).
+    c.rl.roc_epsilon = 1e-3
     c.rl.roc_min_per_class = 2  # spec §1.3: release variant keeps at least 2 negatives and 2 positives
+    # Paper variant: at least this many negatives kept (0 = the paper's floor(n_neg / 2): a group with
+    # one negative in 32 keeps none, and its 16 positives all get advantage 0).
+    c.rl.roc_min_negatives = 0
+    # A kept group whose kept rewards are all equal (advantage 0): "keep" (the paper read literally;
+    # its tokens still count in the token-mean denominator, diluting the other groups' gradient) or
+    # "drop" (removed after selection, as if all-equal from the start).
+    c.rl.roc_zero_advantage = "keep"
     c.rl.clip_low = 0.2  # spec §5.3: clip 0.2 / 0.28 (clip-higher)
     c.rl.clip_high = 0.28
     c.rl.dual_clip = config_dict.placeholder(float)  # None = off; verl's clip_ratio_c is 3.0

@@ -116,6 +116,33 @@ def test_paper_penalty_and_selection_weights():
     assert hits[:5].min() > 190 and hits[5:10].max() < 10  # weight 1/(0+1e-3) vs 1/(2+1e-3)
 
 
+def test_paper_variant_one_negative_options():
+    # One negative among 2G = 32: the paper's floor(1/2) = 0 negatives leaves 16 equal rewards.
+    rewards = np.array([1.0] * 31 + [0.0])
+    groups, penalties = np.zeros(32, int), np.zeros(32)
+    literal = resample_on_correct(rewards, groups, penalties, RocConfig(16, "paper"))
+    assert len(literal.kept_indices) == 16 and np.all(rewards[literal.kept_indices] == 1.0)
+    assert literal.zero_advantage_groups == 1 and literal.dropped_zero_advantage == 0
+    assert np.all(group_advantages(rewards[literal.kept_indices], groups[:16]) == 0)
+    with_negative = resample_on_correct(rewards, groups, penalties, RocConfig(16, "paper", min_negatives=1))
+    assert 31 in with_negative.kept_indices and len(with_negative.kept_indices) == 16
+    assert with_negative.zero_advantage_groups == 0
+    # Dropped: the group's tokens leave the batch, so they no longer dilute the token mean.
+    mixed = np.concatenate([rewards, [1.0] * 16 + [0.0] * 16])
+    dropped = resample_on_correct(mixed, np.repeat([0, 1], 32), np.zeros(64), RocConfig(16, "paper",
+                                                                                       zero_advantage="drop"))
+    assert dropped.dropped_zero_advantage == 1 and set(dropped.kept_indices.tolist()) <= set(range(32, 64))
+    assert len(dropped.kept_indices) == 16 and dropped.stats()["roc/dropped_zero_advantage"] == 1
+    # The minimum never exceeds the negatives there are, and the floor still applies above it.
+    few = resample_on_correct(np.array([1.0] * 20 + [0.0] * 12), groups, penalties,
+                              RocConfig(16, "paper", min_negatives=2))
+    assert (np.array([1.0] * 20 + [0.0] * 12)[few.kept_indices] == 0).sum() == 6
+    with pytest.raises(ValueError, match="min_negatives"):
+        RocConfig(16, "paper", min_negatives=17)
+    with pytest.raises(ValueError, match="zero_advantage"):
+        RocConfig(16, "paper", zero_advantage="skip")
+
+
 def test_roc_input_errors():
     with pytest.raises(ValueError, match="equal 1-D"):
         resample_on_correct([1, 0], [0], [0, 0])

@@ -4,12 +4,23 @@ rStar2-Agent oversamples 2G rollouts per question, drops groups whose rewards ar
 carry no GRPO signal; not refilled), and keeps G: negatives uniformly, positives favouring low tool
 error and format penalties. Two variants (see rstar2 spec §1.3–1.4):
 
-- ``paper``: negatives sampled uniformly, ⌊n_neg·G/n⌋ of them (⌊n_neg/2⌋ at n = 2G); positives
-  sampled without replacement with weight 1 / (p_total + ε); p_err counts failed calls by
-  execution status.
+- ``paper``: negatives sampled uniformly, ⌊n_neg·G/n⌋ of them (⌊n_neg/2⌋ at n = 2G), or at least
+  `min_negatives` where the group has them; positives sampled without replacement with weight
+  1 / (p_total + ε); p_err counts failed calls by execution status.
 - ``release``: banker's-rounded proportional counts with a minimum of 2 per class, the lowest-penalty
   positives first (stable), the first negatives in rollout order; p_err and p_format computed from
   counts the release reads off the decoded text (`rstar_jax.agent.stats.release_counts`).
+
+Paper variant, two choices the paper leaves open:
+- ε sets how random the positive draw is. p_total is a sum of halves and fractions, so a zero-penalty
+  positive (no failed call, one answer) weighs 1/ε against about 1/(p + ε) ≈ 2 for one without tool
+  calls (p = 0.5): at ε = 1e-3 the zero-penalty positives are nearly always drawn first, close to the
+  release's deterministic lowest-penalty-first; ε ≈ 0.1 keeps the draw visibly random.
+- A group with one negative keeps ⌊1/2⌋ = 0 of it at n = 2G: its kept rollouts are all positive, with
+  equal rewards and advantage 0. Kept (`zero_advantage="keep"`, the paper read literally) its tokens
+  still count in the token-mean denominator, scaling the other groups' gradient down by their share
+  of the batch's tokens; `"drop"` removes such groups after selection (counted in
+  `roc/dropped_zero_advantage`), and `min_negatives=1` keeps the negative instead.
 
 Penalties are computed separately (`paper_penalty`, `release_penalty`) from per-rollout counts, so
 the selection is one function for both variants and this module never parses text.
@@ -24,6 +35,7 @@ import numpy as np
 from rstar_jax.errors import from_paths
 
 VARIANTS = ("paper", "release")
+ZERO_ADVANTAGE = ("keep", "drop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +44,8 @@ class RocConfig:
     variant: str = "paper"
     epsilon: float = 1e-3  # paper variant: weight 1 / (p_total + epsilon), since p_total can be 0
     min_per_class: int = 2  # release variant
+    min_negatives: int = 0  # paper variant: keep at least this many negatives (0: the paper's ⌊n_neg·G/n⌋)
+    zero_advantage: str = "keep"  # a kept group whose kept rewards are all equal: "keep" | "drop"
     seed: int = 0
 
     def __post_init__(self):
@@ -43,13 +57,19 @@ class RocConfig:
             raise ValueError(f"RocConfig.epsilon must be > 0, got {self.epsilon}")
         if self.min_per_class < 0:
             raise ValueError(f"RocConfig.min_per_class must be >= 0, got {self.min_per_class}")
+        if not 0 <= self.min_negatives <= self.group_size:
+            raise ValueError(f"RocConfig.min_negatives must be in [0, group_size={self.group_size}], "
+                             f"got {self.min_negatives}")
+        if self.zero_advantage not in ZERO_ADVANTAGE:
+            raise ValueError(f"RocConfig.zero_advantage must be one of {ZERO_ADVANTAGE}, got {self.zero_advantage!r}")
 
     @classmethod
     def from_config(cls, config) -> "RocConfig":
         """From `config.rl` and the run's seed; a ConfigError names the config field of an invalid value."""
         return from_paths(cls, config, {"group_size": "rl.group_size", "variant": "rl.roc_variant",
                                         "epsilon": "rl.roc_epsilon", "min_per_class": "rl.roc_min_per_class",
-                                        "seed": "seed"})
+                                        "min_negatives": "rl.roc_min_negatives",
+                                        "zero_advantage": "rl.roc_zero_advantage", "seed": "seed"})
 
 
 # -- penalties ------------------------------------------------------------------------------------
@@ -98,6 +118,9 @@ class RocResult:
     dropped_too_small: int
     kept_positive_penalty_mean: float  # nan when no positive was kept
     discarded_positive_penalty_mean: float  # nan when none was discarded
+    # Kept groups whose kept rewards are all equal (advantage 0): dropped or kept per `zero_advantage`.
+    zero_advantage_groups: int = 0
+    dropped_zero_advantage: int = 0
 
     def stats(self) -> dict:
         """Step metrics; the penalty means appear only when defined (no NaN in logs)."""
@@ -107,6 +130,8 @@ class RocResult:
             "roc/dropped_all_correct": self.dropped_all_correct,
             "roc/dropped_all_wrong": self.dropped_all_wrong,
             "roc/dropped_too_small": self.dropped_too_small,
+            "roc/zero_advantage_groups": self.zero_advantage_groups,
+            "roc/dropped_zero_advantage": self.dropped_zero_advantage,
             "roc/rollouts_kept": int(len(self.kept_indices)),
         }
         for name, value in (("roc/kept_positive_penalty", self.kept_positive_penalty_mean),
@@ -150,7 +175,7 @@ def resample_on_correct(rewards, group_ids, penalties, config: RocConfig = RocCo
     rng = np.random.default_rng(config.seed)
     _, first = np.unique(group_ids, return_index=True)
     kept: list[np.ndarray] = []
-    counts = dict(all_correct=0, all_wrong=0, too_small=0, kept=0)
+    counts = dict(all_correct=0, all_wrong=0, too_small=0, kept=0, zero_advantage=0, dropped_zero_advantage=0)
     kept_pos_pen: list[float] = []
     dropped_pos_pen: list[float] = []
     for gid in group_ids[np.sort(first)]:
@@ -173,7 +198,7 @@ def resample_on_correct(rewards, group_ids, penalties, config: RocConfig = RocCo
             choice_pos = pos[order[:pos_k]]
             choice_neg = neg[:neg_k]
         else:
-            neg_k = min(len(neg), (len(neg) * g) // n)
+            neg_k = min(len(neg), max((len(neg) * g) // n, config.min_negatives))
             pos_k = min(len(pos), g - neg_k)
             neg_k = g - pos_k  # when positives are too few, the rest are negatives
             choice_neg = rng.choice(neg, size=neg_k, replace=False) if neg_k else neg[:0]
@@ -183,6 +208,11 @@ def resample_on_correct(rewards, group_ids, penalties, config: RocConfig = RocCo
             else:
                 choice_pos = pos[:0]
         chosen = np.sort(np.concatenate([choice_pos, choice_neg]))
+        if np.all(rewards[chosen] == rewards[chosen[0]]):
+            counts["zero_advantage"] += 1
+            if config.zero_advantage == "drop":
+                counts["dropped_zero_advantage"] += 1
+                continue
         kept.append(chosen)
         counts["kept"] += 1
         kept_pos_pen.extend(penalties[choice_pos].tolist())
@@ -196,4 +226,6 @@ def resample_on_correct(rewards, group_ids, penalties, config: RocConfig = RocCo
         dropped_too_small=counts["too_small"],
         kept_positive_penalty_mean=float(np.mean(kept_pos_pen)) if kept_pos_pen else float("nan"),
         discarded_positive_penalty_mean=float(np.mean(dropped_pos_pen)) if dropped_pos_pen else float("nan"),
+        zero_advantage_groups=counts["zero_advantage"],
+        dropped_zero_advantage=counts["dropped_zero_advantage"],
     )
