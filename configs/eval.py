@@ -19,6 +19,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.mode = "eval"
     c.stage = "eval"
     c.run_dir = "runs/eval"
+    c.sandbox.preset = "release"  # evaluate the policy in the tool environment the recipe trains it in
     c.rollout.temperature = c.eval.temperature
     c.rollout.top_p = c.eval.top_p
     c.rollout.max_turns = c.eval.max_turns

@@ -14,6 +14,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.mode = "sft"
     c.stage = "sft"
     c.run_dir = "runs/sft"
+    c.sandbox.preset = "release"  # tool results in synthetic SFT data render as the RL stages will show them
     c.checkpoint.every_steps = 200
     c.checkpoint.export_hf_every = 0  # the SFT trainer exports the final policy for stage 1
     return c

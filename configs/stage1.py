@@ -14,4 +14,5 @@ def get_config() -> ml_collections.ConfigDict:
     c = sibling_config(__file__, "base")
     c.stage = "stage1"
     c.run_dir = "runs/stage1"
+    c.sandbox.preset = "release"  # spec §2.3, §3.2: the tool environment of the release's RL run
     return c

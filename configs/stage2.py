@@ -12,6 +12,7 @@ def get_config() -> ml_collections.ConfigDict:
     c = sibling_config(__file__, "stage1")
     c.stage = "stage2"
     c.run_dir = "runs/stage2"
+    c.sandbox.preset = "release"  # spec §5.3: stage 2 continues stage 1's run, in its tool environment
     c.rollout.response_budget = 12288  # spec §5.3: 8K -> 12K in stage 2
     c.rollout.engine.max_length = c.rollout.max_prompt_length + c.rollout.response_budget
     # One 14K row per micro-batch, its attention heads split over 2 devices: the ahead-of-time

@@ -14,6 +14,7 @@ def get_config() -> ml_collections.ConfigDict:
     c = sibling_config(__file__, "stage2")
     c.stage = "stage3"
     c.run_dir = "runs/stage3"
+    c.sandbox.preset = "release"  # spec §5.3: stage 3 continues the run in the same tool environment
     c.rollout.max_turns = 15  # spec §5.3: T rises to 15 in stage 3
     c.train.steps = 125  # spec §5.3: 125 more steps (510 in total)
     c.train.init_from = "runs/stage2/checkpoints"

@@ -98,6 +98,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.max_length = 512
     c.sft.micro_batch_tokens = 1024
 
+    c.sandbox.preset = "rich"  # the environment this run's results (benchmarks/RESULTS.md) were measured in
     c.sandbox.launch_local = True
     c.sandbox.workers = 2
     c.sandbox.memory_mb = 512

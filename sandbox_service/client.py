@@ -29,6 +29,7 @@ import grpc
 
 from sandbox_service import status
 from sandbox_service._pb import pb2, pb2_grpc
+from sandbox_service.harness import ERROR_FORMATS
 
 log = logging.getLogger("sandbox_service.client")
 
@@ -56,6 +57,7 @@ class ExecResult:
     attempts: int = 1
     target: str = ""
     index: int = -1  # position in the input of execute_batch / execute_many
+    worker: str = ""  # the server's worker that ran it ("lean0", "sci1", ...)
 
     @property
     def ok(self) -> bool:
@@ -73,10 +75,24 @@ class VerifyResult:
 
 @dataclasses.dataclass(frozen=True)
 class ExecRequest:
+    """One program and its per-call options (None: the client's default, else the server's); the
+    options are those of `SandboxClient.execute`."""
+
     code: str
     stdin: str = ""
     timeout_s: float | None = None
     memory_mb: int | None = None
+    stream_cap_chars: int | None = None
+    error_format: str | None = None
+    cold_imports: bool | None = None
+    memory_address_space: bool | None = None
+
+    def options(self) -> dict:
+        return {name: getattr(self, name) for name in OPTIONS}
+
+
+# Per-call options of `execute` beyond code and stdin (ExecuteRequest's fields of the same names).
+OPTIONS = ("timeout_s", "memory_mb", "stream_cap_chars", "error_format", "cold_imports", "memory_address_space")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,11 +152,14 @@ def _decode(raw: bytes) -> str:
 
 class SandboxClient:
     def __init__(self, targets: str | Sequence[str], *, policy: str = "least_loaded", timeout_s: float | None = None,
-                 memory_mb: int | None = None, max_retries: int = 10, backoff_s: float = 0.1,
+                 memory_mb: int | None = None, stream_cap_chars: int | None = None, error_format: str | None = None,
+                 cold_imports: bool | None = None, memory_address_space: bool | None = None,
+                 max_retries: int = 10, backoff_s: float = 0.1,
                  max_backoff_s: float = 2.0, batch_size: int = 32, batch_wait_ms: float = 2.0,
                  max_inflight_batches: int = 64, rpc_timeout_s: float = 900.0):
-        """targets: "host:port" or several. timeout_s / memory_mb: default limits sent with every call
-        (None: the server's defaults). rpc_timeout_s bounds one RPC attempt (queueing included)."""
+        """targets: "host:port" or several. timeout_s, memory_mb, stream_cap_chars, error_format,
+        cold_imports, memory_address_space: defaults sent with every call (see `execute`; None: the
+        server's). rpc_timeout_s bounds one RPC attempt (queueing included)."""
         targets = [targets] if isinstance(targets, str) else list(targets)
         if not targets or not all(isinstance(t, str) and t for t in targets):
             raise ValueError(f"SandboxClient: targets must be non-empty 'host:port' strings; got {targets!r}")
@@ -152,6 +171,8 @@ class SandboxClient:
         self.targets = targets
         self.policy = policy
         self.timeout_s, self.memory_mb = timeout_s, memory_mb
+        self.stream_cap_chars, self.error_format, self.cold_imports = stream_cap_chars, error_format, cold_imports
+        self.memory_address_space = memory_address_space
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
         self.batch_size, self.batch_wait_s = batch_size, batch_wait_ms / 1000.0
         self.max_inflight_batches = max_inflight_batches
@@ -164,6 +185,7 @@ class SandboxClient:
         self._batch_slots: asyncio.Semaphore | None = None
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
+        self._pb_request(ExecRequest(""))  # bad defaults fail here, naming the option
 
     # -- lifecycle -----------------------------------------------------------------------------------
     async def __aenter__(self) -> "SandboxClient":
@@ -210,21 +232,31 @@ class SandboxClient:
         return min(self.max_backoff_s, self.backoff_s * (2 ** attempt)) * (0.5 + random.random() / 2)
 
     def _pb_request(self, req: ExecRequest) -> pb2.ExecuteRequest:
-        timeout = req.timeout_s if req.timeout_s is not None else self.timeout_s
-        memory = req.memory_mb if req.memory_mb is not None else self.memory_mb
+        o = {name: value if value is not None else getattr(self, name) for name, value in req.options().items()}
         if not isinstance(req.code, str):
             raise TypeError(f"code must be a str; got {type(req.code).__name__}")
         if not isinstance(req.stdin, str):
             raise TypeError(f"stdin must be a str; got {type(req.stdin).__name__}")
+        cap = o["stream_cap_chars"]
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 0):
+            raise ValueError(f"stream_cap_chars must be a non-negative int (0: the server's byte limit); got {cap!r}")
+        if o["error_format"] is not None and o["error_format"] not in ERROR_FORMATS:
+            raise ValueError(f"error_format must be one of {ERROR_FORMATS}; got {o['error_format']!r}")
+        for flag in ("cold_imports", "memory_address_space"):
+            if o[flag] is not None and not isinstance(o[flag], bool):
+                raise TypeError(f"{flag} must be a bool; got {type(o[flag]).__name__}")
         return pb2.ExecuteRequest(request_id=str(next(self._ids)), code=req.code, stdin=req.stdin,
-                                  timeout_s=float(timeout or 0.0), memory_mb=int(memory or 0))
+                                  timeout_s=float(o["timeout_s"] or 0.0), memory_mb=int(o["memory_mb"] or 0),
+                                  stream_cap_chars=cap or 0, error_format=o["error_format"] or "",
+                                  cold_imports=bool(o["cold_imports"]),
+                                  memory_address_space=bool(o["memory_address_space"]))
 
     @staticmethod
     def _result(r, attempts: int, target: str) -> ExecResult:
         return ExecResult(status=r.status, exit_code=r.exit_code, stdout=_decode(r.stdout), stderr=_decode(r.stderr),
                           duration_s=r.duration_s, stdout_truncated=r.stdout_truncated,
                           stderr_truncated=r.stderr_truncated, stdout_bytes=r.stdout, stderr_bytes=r.stderr,
-                          cpu_s=r.cpu_s, message=r.message, attempts=attempts, target=target)
+                          cpu_s=r.cpu_s, message=r.message, attempts=attempts, target=target, worker=r.worker)
 
     @staticmethod
     def _failure(code: str, message: str, attempts: int, target: str = "") -> ExecResult:
@@ -233,10 +265,19 @@ class SandboxClient:
 
     # -- execute -------------------------------------------------------------------------------------
     async def execute(self, code: str, stdin: str = "", *, timeout_s: float | None = None,
-                      memory_mb: int | None = None) -> ExecResult:
-        """Runs `code` with `stdin`; timeout_s / memory_mb override the client's defaults."""
+                      memory_mb: int | None = None, stream_cap_chars: int | None = None,
+                      error_format: str | None = None, cold_imports: bool | None = None,
+                      memory_address_space: bool | None = None) -> ExecResult:
+        """Runs `code` with `stdin`. The options override the client's defaults (None: keep them):
+        timeout_s, memory_mb: the limits. stream_cap_chars > 0: stdout and stderr keep their first N
+        characters and the call runs on (0: the server's byte limit, whose overrun kills it).
+        error_format: "traceback" or "release" (the rStar2 release's one-line errors; see
+        sandbox_service.harness). cold_imports: run where numpy/sympy are not pre-imported, so their
+        import counts against the time limit. memory_address_space: memory_mb bounds the whole address
+        space (an allocation beyond it raises MemoryError), not resident memory."""
         self._ensure_started()
-        request = ExecRequest(code, stdin, timeout_s, memory_mb)
+        request = ExecRequest(code, stdin, timeout_s, memory_mb, stream_cap_chars, error_format, cold_imports,
+                              memory_address_space)
         self._pb_request(request)  # type errors surface here, in the caller
         if self.batch_size == 1:
             return await self._execute_unary(request)
@@ -356,7 +397,7 @@ class SandboxClient:
         reqs = [_as_request(r) for r in requests]
 
         async def one(i: int, r: ExecRequest) -> ExecResult:
-            res = await self.execute(r.code, r.stdin, timeout_s=r.timeout_s, memory_mb=r.memory_mb)
+            res = await self.execute(r.code, r.stdin, **r.options())
             return dataclasses.replace(res, index=i)
 
         tasks = [asyncio.ensure_future(one(i, r)) for i, r in enumerate(reqs)]
@@ -370,8 +411,7 @@ class SandboxClient:
     async def execute_many(self, requests: Iterable) -> list[ExecResult]:
         """All results, in input order."""
         reqs = [_as_request(r) for r in requests]
-        results = await asyncio.gather(*(self.execute(r.code, r.stdin, timeout_s=r.timeout_s, memory_mb=r.memory_mb)
-                                         for r in reqs))
+        results = await asyncio.gather(*(self.execute(r.code, r.stdin, **r.options()) for r in reqs))
         return [dataclasses.replace(r, index=i) for i, r in enumerate(results)]
 
     # -- verify and info -----------------------------------------------------------------------------

@@ -3,8 +3,20 @@ a trailing expression, or an answer verification.
 
 Semantics follow the rStar2 release's wrapper: the code is parsed with `ast`; everything but a
 trailing bare expression is executed, then that expression is evaluated and its `repr` printed when
-it is not None (the paper's response kind 2). Errors print a traceback trimmed to the user's code
-(frames of this harness are dropped) and exit with code 1; `sys.exit` keeps Python's meaning.
+it is not None (the paper's response kind 2). `sys.exit` keeps Python's meaning. Errors are reported
+in one of two formats:
+
+- "traceback" (the default): a traceback trimmed to the user's code (frames of this harness are
+  dropped), exit code 1; stdout is line-buffered, so what was printed before an error or a kill is kept.
+- "release": the release wrapper (`code_template_setup` in rStar's code_judge_utils.py) reimplemented:
+  the trailing expression is split off by source lines, evaluated, and on failure run once more as a
+  statement; an exception is reported as `<Type> at line N: <message>\n  <source line>`, where N is
+  the exception's `lineno` if it has one (SyntaxError) or else the line of the innermost traceback
+  frame, counted from the start of the failing segment (body or trailing expression; the latter's
+  numbers are shifted by the body's length, yet looked up in the expression's own lines), and reported
+  as `<Type>: <message>` when N falls outside that segment; then the process exits at once with code 1.
+  stdout is block-buffered as a plain `python3` writing to a pipe, so on an error whatever was still
+  in its buffer is lost, as in the release.
 """
 
 from __future__ import annotations
@@ -21,14 +33,20 @@ import threading
 import traceback
 
 FILENAME = "<tool>"
+RELEASE_FILENAME = "<string>"  # the release compiles the user's code under this name
 MEMORY_ERROR_TAG = b"M"
+ERROR_FORMATS = ("", "traceback", "release")  # "" is "traceback"
 
 
-def _fresh_stdio() -> None:
-    # Line-buffered so that whatever was printed before a kill has reached the pipe.
+def _fresh_stdio(*, block_stdout: bool = False) -> None:
+    # Line-buffered so that whatever was printed before a kill has reached the pipe; or, for the
+    # release's semantics, buffered exactly as CPython buffers a stdout that is a pipe.
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8", errors="replace")
-    sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8",
-                                  errors="backslashreplace", line_buffering=True)
+    if block_stdout:
+        sys.stdout = io.open(1, "w", encoding="utf-8", errors="backslashreplace", closefd=False)
+    else:
+        sys.stdout = io.TextIOWrapper(io.BufferedWriter(io.FileIO(1, "w", closefd=False)), encoding="utf-8",
+                                      errors="backslashreplace", line_buffering=True)
     sys.stderr = io.TextIOWrapper(io.BufferedWriter(io.FileIO(2, "w", closefd=False)), encoding="utf-8",
                                   errors="backslashreplace", line_buffering=True)
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
@@ -87,6 +105,83 @@ def _run(code: str, meta_fd: int) -> int:
         return 1
 
 
+def release_error(exc: BaseException, code: str, line_offset: int = 0) -> str:
+    """The release wrapper's one-line report of `exc`, raised by the segment `code` of the user's
+    program whose first line is line `line_offset` + 1 (no trailing newline)."""
+    lineno = exc.lineno if hasattr(exc, "lineno") else _innermost_line(exc)
+    if isinstance(lineno, int) and lineno != -1:  # the release fails on another type (a None lineno)
+        lineno += line_offset
+        lines = code.splitlines()
+        if 0 <= lineno - 1 < len(lines):
+            return f"{type(exc).__name__} at line {lineno}: {exc}\n  {lines[lineno - 1]}"
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _innermost_line(exc: BaseException) -> int:
+    tb = exc.__traceback__
+    if tb is None:
+        return -1
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb.tb_lineno if tb.tb_lineno is not None else -1
+
+
+def _release_split(code: str) -> tuple[str, str | None]:
+    """(body, trailing expression) by source lines, as the release splits them: a last statement
+    that is an expression takes its whole lines (with anything sharing them) and drops later lines."""
+    tree = ast.parse(code)
+    if not tree.body or not isinstance(tree.body[-1], ast.Expr):
+        return code, None
+    last = tree.body[-1]
+    lines = code.splitlines()
+    return "\n".join(lines[:last.lineno - 1]), "\n".join(lines[last.lineno - 1:last.end_lineno])
+
+
+def _release_fail(exc: BaseException, code: str, line_offset: int, meta_fd: int) -> None:
+    """Reports `exc` on stderr and exits at once (no flush of stdout, no atexit), as the release does."""
+    if isinstance(exc, MemoryError):
+        try:
+            os.write(meta_fd, MEMORY_ERROR_TAG)
+        except OSError:
+            pass
+    try:
+        message = release_error(exc, code, line_offset)
+    except Exception:  # noqa: BLE001 - an exception whose str() fails: Python's own report instead
+        message = _user_traceback(exc).rstrip("\n")
+    try:
+        sys.stderr.write(message + "\n")
+        sys.stderr.flush()
+    finally:
+        os._exit(1)
+
+
+def _run_release(code: str, meta_fd: int) -> int:
+    namespace = {"__name__": "__main__", "__file__": RELEASE_FILENAME, "__builtins__": builtins}
+    try:
+        body, trailing = _release_split(code)
+    except SyntaxError as e:
+        _release_fail(e, code, 0, meta_fd)
+    except ValueError as e:  # NUL bytes in the source
+        sys.stderr.write("".join(traceback.format_exception_only(type(e), e)))
+        return 1
+    if body:
+        try:
+            exec(compile(body, RELEASE_FILENAME, "exec"), namespace)
+        except Exception as e:  # noqa: BLE001 - BaseExceptions (SystemExit, ...) propagate, as in the release
+            _release_fail(e, body, 0, meta_fd)
+    if trailing:
+        try:
+            value = eval(compile(trailing, RELEASE_FILENAME, "eval"), namespace)
+            if value is not None:
+                print(repr(value))
+        except Exception:  # noqa: BLE001 - the release then runs the expression again as a statement
+            try:
+                exec(compile(trailing, RELEASE_FILENAME, "exec"), namespace)
+            except Exception as e:  # noqa: BLE001
+                _release_fail(e, trailing, len(body.splitlines()) if body else 0, meta_fd)
+    return 0
+
+
 def _finish(rc: int) -> None:
     """Python's own shutdown order: wait for non-daemon threads, run atexit handlers, flush."""
     try:
@@ -107,13 +202,24 @@ def _finish(rc: int) -> None:
     os._exit(rc)
 
 
-def run_program(code: str, meta_fd: int) -> None:
-    """Runs the user's program and exits the process (never returns)."""
+def run_program(code: str, meta_fd: int, error_format: str = "") -> None:
+    """Runs the user's program and exits the process (never returns). error_format: "" or
+    "traceback", or "release" (see the module docstring)."""
     rc = 1
     try:
         atexit._clear()  # handlers registered by the worker's own imports are not the user's
-        _fresh_stdio()
-        rc = _run(code, meta_fd)
+        release = error_format == "release"
+        _fresh_stdio(block_stdout=release)
+        if release:
+            try:
+                rc = _run_release(code, meta_fd)
+            except SystemExit as e:
+                rc = _exit_code_of(e)
+            except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt and the like: Python's report
+                sys.stderr.write(_user_traceback(e))
+                rc = 1
+        else:
+            rc = _run(code, meta_fd)
     finally:
         _finish(rc)
 

@@ -3,7 +3,8 @@
 The server process never forks: workers are started with exec (`python -m sandbox_service.workers`)
 and talk over a Unix socket pair. Two flavours of workers run side by side: "lean" (standard library
 pre-imported, cheapest fork) and "sci" (numpy, sympy, scipy, math-verify pre-imported); a call goes to
-"sci" when its code names one of those libraries, and Verify always does.
+"sci" when its code names one of those libraries (unless it asks for `cold_imports`: its imports
+then count against its time limit), and Verify always does.
 
 Admission is bounded: at most capacity + max_queue calls are admitted; beyond that Execute answers
 RESOURCE_EXHAUSTED at once and ExecuteBatch items come back "rejected" (retryable). A worker that dies
@@ -30,13 +31,15 @@ import grpc
 from sandbox_service import isolation, status
 from sandbox_service._pb import pb2, pb2_grpc
 from sandbox_service.framing import encode, read_frame
+from sandbox_service.harness import ERROR_FORMATS
 
 log = logging.getLogger("sandbox_service")
 
-VERSION = "1.0"
+VERSION = "1.1"  # 1.1: ExecuteRequest.stream_cap_chars, error_format, cold_imports (a 1.0 server ignores them)
 _SCI_NAMES = re.compile(r"\b(?:numpy|sympy|scipy|mpmath|networkx|math_verify)\b")
 _LEVEL_ORDER = {"minimal": 0, "partial": 1, "full": 2}
 UID_STRIDE = 4096  # uids reserved per server when uid_base is derived from the pid
+MAX_STREAM_CAP_CHARS = 1 << 20  # the worker holds up to 4 bytes per character of each stream
 HANG_SLACK_S = 10.0  # a worker that has not answered this long after a call's deadline is hung
 
 
@@ -93,6 +96,7 @@ class Job:
     memory_mb: int
     future: asyncio.Future
     attempts: int = 0
+    options: dict = dataclasses.field(default_factory=dict)  # per call: stream cap, error format, memory kind
 
 
 class WorkerHandle:
@@ -193,7 +197,7 @@ class WorkerHandle:
         fut = asyncio.get_running_loop().create_future()
         self.pending[call_id] = fut
         self.writer.write(encode({"type": "call", "id": call_id, "kind": job.kind, "timeout_s": job.timeout_s,
-                                  "memory_mb": job.memory_mb}, job.blobs))
+                                  "memory_mb": job.memory_mb, **job.options}, job.blobs))
         watchdog = asyncio.get_running_loop().call_later(job.timeout_s + HANG_SLACK_S, self._on_hang, call_id)
         try:
             return await fut
@@ -296,9 +300,11 @@ class Pool:
         self.in_flight += 1
         return True
 
-    async def run(self, kind: str, flavour: str, blobs: list[bytes], timeout_s: float, memory_mb: int):
+    async def run(self, kind: str, flavour: str, blobs: list[bytes], timeout_s: float, memory_mb: int,
+                  options: dict | None = None):
         """Runs an admitted job; returns the worker's (header, blobs). Releases the admission."""
-        job = Job(kind, flavour, blobs, timeout_s, memory_mb, asyncio.get_running_loop().create_future())
+        job = Job(kind, flavour, blobs, timeout_s, memory_mb, asyncio.get_running_loop().create_future(),
+                  options=options or {})
         try:
             self.queues[flavour].put_nowait((1, next(self.seq), job))
             return await job.future
@@ -329,6 +335,7 @@ class Pool:
                     job.future.set_result(_error_header(f"{e}; the call was lost twice"))
                 continue
             if not job.future.done():
+                result[0]["worker"] = worker.name
                 job.future.set_result(result)
 
 
@@ -356,15 +363,22 @@ class SandboxServicer(pb2_grpc.SandboxServicer):
                              f"got {memory_mb!r}")
         return timeout, memory
 
-    def _exec_args(self, req) -> tuple[list[bytes], float, int, str]:
+    def _exec_args(self, req) -> tuple[list[bytes], float, int, str, dict]:
         code, stdin = req.code.encode("utf-8", "surrogateescape"), req.stdin.encode("utf-8", "surrogateescape")
         if len(code) > self.options.max_code_bytes:
             raise ValueError(f"code is {len(code)} bytes; the limit is {self.options.max_code_bytes}")
         if len(stdin) > self.options.max_stdin_bytes:
             raise ValueError(f"stdin is {len(stdin)} bytes; the limit is {self.options.max_stdin_bytes}")
         timeout, memory = self._limits(req.timeout_s, req.memory_mb, self.options.timeout_s)
-        flavour = "sci" if _SCI_NAMES.search(req.code) else "lean"
-        return [code, stdin], timeout, memory, flavour
+        if not 0 <= req.stream_cap_chars <= MAX_STREAM_CAP_CHARS:
+            raise ValueError(f"stream_cap_chars must be in [0, {MAX_STREAM_CAP_CHARS}] (0 = the byte limit "
+                             f"{self.options.output_limit_bytes}, which kills the call); got {req.stream_cap_chars}")
+        if req.error_format not in ERROR_FORMATS:
+            raise ValueError(f"error_format must be one of {ERROR_FORMATS}; got {req.error_format!r}")
+        flavour = "sci" if _SCI_NAMES.search(req.code) and not req.cold_imports else "lean"
+        options = {"stream_cap_chars": int(req.stream_cap_chars), "error_format": req.error_format,
+                   "memory_address_space": bool(req.memory_address_space)}
+        return [code, stdin], timeout, memory, flavour, options
 
     def _to_result(self, request_id: str, header: dict, blobs: list[bytes], worker: str = "") -> pb2.ExecuteResult:
         code = header["status"]
@@ -373,7 +387,7 @@ class SandboxServicer(pb2_grpc.SandboxServicer):
             request_id=request_id, status=code, exit_code=int(header["exit_code"]), stdout=blobs[0], stderr=blobs[1],
             stdout_truncated=bool(header["stdout_truncated"]), stderr_truncated=bool(header["stderr_truncated"]),
             duration_s=float(header["duration_s"]), cpu_s=float(header["cpu_s"]), message=header.get("message", ""),
-            retryable=code == status.SANDBOX_ERROR, worker=worker)
+            retryable=code == status.SANDBOX_ERROR, worker=header.get("worker", worker))
 
     @staticmethod
     def _rejected(request_id: str, message: str, *, retryable: bool) -> pb2.ExecuteResult:
@@ -385,8 +399,8 @@ class SandboxServicer(pb2_grpc.SandboxServicer):
                 f"{self.pool.capacity + self.options.max_queue}; retry later")
 
     async def _execute_admitted(self, req) -> pb2.ExecuteResult:
-        blobs, timeout, memory, flavour = self._exec_args(req)
-        header, out = await self.pool.run("exec", flavour, blobs, timeout, memory)
+        blobs, timeout, memory, flavour, options = self._exec_args(req)
+        header, out = await self.pool.run("exec", flavour, blobs, timeout, memory, options)
         return self._to_result(req.request_id, header, out)
 
     # -- RPCs ----------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ and a read-only view of the host, create the slots' cgroups, and report the isol
 
 Per call, in a free slot: fork; the child joins the slot's cgroups, gets private tmpfs /tmp (its
 working directory) and /dev/shm, a clean environment, rlimits (soft = hard), the slot's uid and a
-seccomp filter, then runs the harness. The zygote drains stdout/stderr as they arrive (byte caps),
+seccomp filter, then runs the harness. The zygote drains stdout/stderr as they arrive (byte caps whose
+overrun kills the call, or a call's character cap beyond which output is discarded),
 tracks the wall deadline on the process itself (SIGCHLD, not pipe EOF), kills the slot's whole
 cgroup at the deadline, on overflow and after the main process exits, reaps orphans (it is PID 1),
 and only then frees the slot.
@@ -93,6 +94,9 @@ class Call:
     wait_status: int | None = None
     cpu_s: float = 0.0
     killed_for: str | None = None
+    stream_cap_chars: int = 0  # > 0: keep this many characters per stream, discard the rest, never kill
+    error_format: str = ""  # the harness's: "" / "traceback" or "release"
+    memory_address_space: bool = False  # memory_mb bounds the whole address space (not resident memory)
     grace_killed_at: float | None = None
     scratch_dir: str | None = None
     streams: dict = dataclasses.field(default_factory=dict)  # name -> [fd, bytearray, truncated, cap]
@@ -405,7 +409,9 @@ class Zygote:
                 log.error("unknown frame type %r", header.get("type"))
                 continue
             call = Call(id=header["id"], kind=header["kind"], payload=blobs, timeout_s=float(header["timeout_s"]),
-                        memory_mb=int(header["memory_mb"]))
+                        memory_mb=int(header["memory_mb"]), stream_cap_chars=int(header.get("stream_cap_chars", 0)),
+                        error_format=str(header.get("error_format", "")),
+                        memory_address_space=bool(header.get("memory_address_space", False)))
             self.calls[call.id] = call
             self.pending.append(call)
         self._start_pending()
@@ -427,7 +433,10 @@ class Zygote:
         a = self.args
         memory = call.memory_mb << 20
         has_cgroup = bool(call.slot.cgroups and call.slot.cgroups.memory_dir)
-        backstop = self.address_space_base + (4 * memory if has_cgroup else memory)
+        if call.memory_address_space:  # the process's whole address space, the worker's inherited part included
+            backstop = memory
+        else:
+            backstop = self.address_space_base + (4 * memory if has_cgroup else memory)
         return isolation.CallLimits(
             cpu_s=int(math.ceil(call.timeout_s)) + 1, memory_bytes=memory, address_space_bytes=backstop,
             file_size_bytes=a.scratch_mb << 20, open_files=a.open_files, processes=a.pids_max,
@@ -457,7 +466,10 @@ class Zygote:
         os.close(in_r)
         call.pid = pid
         self.by_pid[pid] = call
-        caps = {"stdout": self.args.output_limit, "stderr": self.args.output_limit, "meta": 1 << 20}
+        # A character cap keeps 4 bytes per character (UTF-8's widest) and 4 more, so that the first N
+        # characters are whole whatever the encoding; `_result` then cuts at N characters.
+        out_cap = 4 * call.stream_cap_chars + 4 if call.stream_cap_chars else self.args.output_limit
+        caps = {"stdout": out_cap, "stderr": out_cap, "meta": 1 << 20}
         for name, (r, w) in pipes.items():
             os.close(w)
             os.set_blocking(r, False)
@@ -501,7 +513,7 @@ class Zygote:
             finally:
                 os._exit(125)
         if call.kind == "exec":
-            harness.run_program(call.payload[0].decode("utf-8", errors="replace"), 3)
+            harness.run_program(call.payload[0].decode("utf-8", errors="replace"), 3, error_format=call.error_format)
         else:
             harness.run_verify(call.payload[0].decode("utf-8", errors="replace"),
                                call.payload[1].decode("utf-8", errors="replace"), 3)
@@ -524,7 +536,7 @@ class Zygote:
         if len(data) > room:
             stream[1] += data[:max(room, 0)]
             stream[2] = True
-            if name != "meta" and call.killed_for is None:
+            if name != "meta" and call.killed_for is None and not call.stream_cap_chars:
                 self._kill(call, status.OUTPUT_LIMIT)
         else:
             stream[1] += data
@@ -617,36 +629,39 @@ class Zygote:
     def _result(self, call: Call) -> tuple[dict, list[bytes]]:
         out, err, meta = (call.streams[k] for k in ("stdout", "stderr", "meta"))
         stdout, stderr = bytes(out[1]), bytes(err[1])
-        if out[2]:
-            stdout += TRUNCATION_MARKER.format(self.args.output_limit).encode()
-        if err[2]:
-            stderr += TRUNCATION_MARKER.format(self.args.output_limit).encode()
+        if call.stream_cap_chars:  # cut silently, as code-judge does
+            stdout, out[2] = _first_chars(stdout, call.stream_cap_chars, out[2])
+            stderr, err[2] = _first_chars(stderr, call.stream_cap_chars, err[2])
+        else:
+            if out[2]:
+                stdout += TRUNCATION_MARKER.format(self.args.output_limit).encode()
+            if err[2]:
+                stderr += TRUNCATION_MARKER.format(self.args.output_limit).encode()
         ws = call.wait_status
         exit_code = os.waitstatus_to_exitcode(ws)
         sig = -exit_code if exit_code < 0 else 0
         oom = bool(call.slot.cgroups and call.slot.cgroups.new_oom_kill())
-        message = ""
+        message, note = "", ""
         if meta[1].startswith(harness.MEMORY_ERROR_TAG) and call.kind == "exec":
             oom = True
         if meta[1] == SETUP_FAILED_TAG:
             code, message = status.SANDBOX_ERROR, stderr.decode(errors="replace").strip()
         elif call.killed_for == status.TIMEOUT:
-            code = status.TIMEOUT
-            stderr += f"\n[killed: wall-clock limit of {call.timeout_s:g} s exceeded]\n".encode()
+            code, note = status.TIMEOUT, f"[killed: wall-clock limit of {call.timeout_s:g} s exceeded]"
         elif call.killed_for == status.OUTPUT_LIMIT:
             code = status.OUTPUT_LIMIT
         elif oom:
             code = status.MEMORY_LIMIT
             if sig:
-                stderr += f"\n[killed: memory limit of {call.memory_mb} MB exceeded]\n".encode()
+                note = f"[killed: memory limit of {call.memory_mb} MB exceeded]"
         elif sig in (signal.SIGXCPU,) or (sig == signal.SIGKILL and call.cpu_s >= math.ceil(call.timeout_s) + 1):
-            code = status.TIMEOUT
-            stderr += f"\n[killed: CPU-time limit of {math.ceil(call.timeout_s) + 1} s exceeded]\n".encode()
+            code, note = status.TIMEOUT, f"[killed: CPU-time limit of {math.ceil(call.timeout_s) + 1} s exceeded]"
         elif sig:
-            code = status.KILLED_BY_SIGNAL
-            stderr += f"\n[killed by signal {signal.Signals(sig).name}]\n".encode()
+            code, note = status.KILLED_BY_SIGNAL, f"[killed by signal {signal.Signals(sig).name}]"
         else:
             code = status.OK if exit_code == 0 else status.RUNTIME_ERROR
+        if note and call.error_format != "release":  # the release shows the program's own output only
+            stderr += f"\n{note}\n".encode()
         header = {"type": "result", "id": call.id, "status": code, "exit_code": exit_code,
                   "duration_s": (call.exited_at or time.monotonic()) - call.start, "cpu_s": call.cpu_s,
                   "stdout_truncated": out[2], "stderr_truncated": err[2], "message": message}
@@ -681,6 +696,13 @@ class Zygote:
         if self.scratch_root:
             shutil.rmtree(self.scratch_root, ignore_errors=True)
         os._exit(code)
+
+
+def _first_chars(data: bytes, n: int, overflowed: bool) -> tuple[bytes, bool]:
+    """The first `n` characters of UTF-8 output (an invalid byte counts as one) and whether any were
+    cut off."""
+    text = data.decode("utf-8", "surrogateescape")
+    return text[:n].encode("utf-8", "surrogateescape"), overflowed or len(text) > n
 
 
 def _parse_verify(meta: bytes) -> dict | None:

@@ -49,8 +49,8 @@ def _config(**overrides):
 
 @pytest.mark.slow
 def test_sandbox_limits_and_the_verifier_timeout_reach_every_tool_call():
-    """sandbox.memory_mb bounds each call the rollout loop makes (the loop passes no limit itself);
-    sandbox.verify_timeout_s is the scorer's, whichever verifier scores."""
+    """sandbox.memory_mb bounds each call made with the client's defaults (the rollout loop also sends
+    it with every call); sandbox.verify_timeout_s is the scorer's, whichever verifier scores."""
 
     async def run(config, targets):
         async with builders.rollout_resources(config, targets, urls=[url]) as resources:
@@ -62,6 +62,15 @@ def test_sandbox_limits_and_the_verifier_timeout_reach_every_tool_call():
         assert asyncio.run(run(tight, targets)) == ("memory_limit", 3.5)
         roomy = _config(**{"sandbox.memory_mb": 512, "sandbox.verify_via": "sandbox", "sandbox.verify_timeout_s": 7.0})
         assert asyncio.run(run(roomy, targets)) == ("ok", 7.0)
+
+        async def flood(config):
+            async with builders.rollout_resources(config, targets, urls=[url]) as resources:
+                return (await resources.client.execute("print('x' * 5000)")).stdout
+
+        # The tool environment's per-call options are the client's defaults: the release preset's
+        # stream cut, the project's own byte cap (far above this output).
+        assert asyncio.run(flood(_config(**{"sandbox.preset": "release"}))) == "x" * 1000
+        assert asyncio.run(flood(roomy)) == "x" * 5000 + "\n"
 
 
 def test_the_policy_and_its_settings_follow_the_mesh():

@@ -20,6 +20,7 @@ from rstar_jax.config import (
 )
 from rstar_jax.errors import from_fields
 from rstar_jax.model.qwen3 import Qwen3Config
+from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.train.builders import check_mesh
 
 ALL_CONFIGS = ("base", "stage1", "stage2", "stage3", "sft", "eval", "tiny")
@@ -93,7 +94,18 @@ def test_recipe_values_per_stage():
         assert (c.rollout.temperature, c.rollout.top_p, c.rollout.top_k) == (1.0, 1.0, -1)
         assert (c.rl.clip_low, c.rl.clip_high, c.rl.kl_coef, c.rl.entropy_coef) == (0.2, 0.28, 0.0, 0.0)
         assert (c.optim.b1, c.optim.b2, c.optim.weight_decay, c.optim.grad_clip) == (0.9, 0.999, 0.01, 1.0)
-        assert c.rollout.max_prompt_length == 2048 and c.sandbox.timeout_s == 4.0
+        assert c.rollout.max_prompt_length == 2048
+    # spec §2.3, §3.2: every stage, the SFT data and evaluation meet the release's tool environment.
+    for c in (s1, s2, s3, sft, ev):
+        env = ToolEnv.from_config(c)
+        assert (env.preset, env.timeout_s, env.memory_mb, env.stream_cap_chars, env.observation_max_chars) == \
+            ("release", 4.0, 384, 1000, 256)
+        assert (env.error_format, env.preimports, env.tool_call_parsing) == ("release", False, "release")
+        assert env.memory_address_space
+    tiny = ToolEnv.from_config(_load("tiny"))  # the project's own environment; the tiny run's explicit values win
+    assert (tiny.preset, tiny.memory_mb, tiny.memory_address_space, tiny.stream_cap_chars) == ("rich", 512, False, 0)
+    assert (tiny.error_format, tiny.preimports) == ("traceback", True)
+    assert (tiny.observation_style, tiny.observation_max_chars, tiny.tool_call_parsing) == ("paper", 64, "rich")
     assert [c.rollout.max_turns for c in (s1, s2, s3)] == [10, 10, 15]
     assert [c.rollout.response_budget for c in (s1, s2, s3)] == [8192, 12288, 12288]
     assert [c.train.steps for c in (s1, s2, s3)] == [300, 85, 125]
@@ -171,6 +183,10 @@ def test_tiny_config_describes_a_tiny_model():
     ({"sandbox.targets": ("127.0.0.1:1",)}, r"config.sandbox.launch_local: set it to False"),
     ({"sandbox.launch_local": False}, r"config.sandbox.targets: tool calls need a sandbox"),
     ({"sandbox.verify_timeout_s": 0.0}, r"config.sandbox.verify_timeout_s: must be in \(0.0, inf\], got 0.0"),
+    ({"sandbox.preset": "code-judge"}, r"config.sandbox.preset: must be one of \('release', 'rich'\)"),
+    ({"sandbox.memory_mb": 8}, r"config.sandbox.memory_mb: must be an integer >= 16, got 8"),
+    ({"sandbox.error_format": "short"}, r"config.sandbox.error_format: must be one of \('traceback', 'release'\)"),
+    ({"rollout.tool_call_parsing": "lax"}, r"config.rollout.tool_call_parsing: must be one of"),
     ({"data.train_files": ()}, r"config.data.train_files: RL needs training problems"),
     ({"data.train_files": ("/does/not/exist.jsonl",)},
      r"config.data.train_files: /does/not/exist.jsonl does not exist"),

@@ -82,6 +82,8 @@ def test_health_and_info(sandbox):
     ({"code": "print(1)", "memory_mb": 1}, "memory_mb"),
     ({"code": "x" * (2 << 20)}, "code"),
     ({"code": "print(1)", "stdin": "y" * (2 << 20)}, "stdin"),
+    ({"code": "print(1)", "stream_cap_chars": -1}, "stream_cap_chars"),
+    ({"code": "print(1)", "error_format": "short"}, "error_format"),
 ])
 def test_invalid_requests_name_the_field(sandbox, request_kwargs, field):
     channel, stub = stub_for(sandbox)
@@ -218,5 +220,9 @@ def test_client_rejects_bad_arguments():
         SandboxClient("127.0.0.1:1", policy="random")
     with pytest.raises(ValueError, match="targets"):
         SandboxClient([])
+    with pytest.raises(ValueError, match="error_format"):
+        SandboxClient("127.0.0.1:1", error_format="short")
+    with pytest.raises(ValueError, match="stream_cap_chars"):
+        SandboxClient("127.0.0.1:1", stream_cap_chars=-5)
     with pytest.raises(ValueError, match="unknown server options"):
         LocalSandbox(workers=1, bogus=1)

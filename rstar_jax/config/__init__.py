@@ -45,6 +45,7 @@ from rstar_jax.parallel import MESH_AXES
 from rstar_jax.rl.loss import LossConfig
 from rstar_jax.rl.roc import RocConfig
 from rstar_jax.rollout.loop import LoopConfig
+from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.train.rl_batch import BatchConfig
 from rstar_jax.train.step import OptimizerConfig
 
@@ -537,7 +538,7 @@ def _check_values(check: Checker) -> None:
     targets = check.strings("sandbox.targets")
     check.positive_int("sandbox.workers")
     check.range("sandbox.verify_timeout_s", 0.0, None, low_open=True)
-    check.positive_int("sandbox.memory_mb")
+    check.build(lambda: ToolEnv.from_config(config))  # sandbox.preset and the fields that override it
     check.enum("sandbox.verify_via", SCORER_MODES)
     check.require(not (s.launch_local and targets), "sandbox.launch_local",
                   "set it to False when sandbox.targets lists running servers")

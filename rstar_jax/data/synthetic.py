@@ -19,10 +19,9 @@ import math
 import os
 import pathlib
 import random
-import traceback
 from collections.abc import Callable, Collection, Sequence
 
-from rstar_jax.agent.tool_calls import STATUS_OK
+from rstar_jax.agent.tool_calls import STATUS_OK, syntax_error_text
 
 DEFAULT_TOOL_NAME = "python_code_with_standard_io"  # spec §2.2
 
@@ -263,23 +262,23 @@ class ToolResult:
     duration_s: float = 0.0
 
 
-def _syntax_error(code: str) -> str:
-    """The message Python gives for trusted, generated code that does not compile."""
-    try:
-        compile(code, "<string>", "exec")
-    except SyntaxError as e:
-        return "".join(traceback.format_exception_only(type(e), e))
-    raise ValueError(f"expected {code!r} not to compile")
+def _syntax_error(code: str, error_format: str = "traceback") -> str:
+    """The stderr for trusted, generated code that does not compile."""
+    text = syntax_error_text(code, error_format)
+    if text is None:
+        raise ValueError(f"expected {code!r} not to compile")
+    return text
 
 
 def sft_conversation(problem: Problem, *, tool_name: str = DEFAULT_TOOL_NAME,
                      format_observation: Callable[[ToolResult], str] | None = None,
-                     behaviour: str = "tool") -> list[dict]:
+                     behaviour: str = "tool", error_format: str = "traceback") -> list[dict]:
     """A full solved conversation as chat messages for the template to render.
 
     The assistant turns omit the leading `<reason>` because the template forces it at the start of
     every assistant turn (spec §2.1); a tool message holds the code's real result, rendered by
-    `format_observation` (e.g. the rollout loop's style) when given, else the bare stdout/stderr.
+    `format_observation` (e.g. the rollout loop's style) when given, else the bare stdout/stderr,
+    with a failing call's error in the sandbox's `error_format` ("traceback" or "release").
     """
     if behaviour not in BEHAVIOURS:
         raise ValueError(f"sft_conversation: behaviour must be one of {BEHAVIOURS}, got {behaviour!r}")
@@ -296,7 +295,8 @@ def sft_conversation(problem: Problem, *, tool_name: str = DEFAULT_TOOL_NAME,
     if behaviour == "fix":
         broken = problem.solution.rstrip()[:-1]  # the call's closing parenthesis forgotten
         messages += [{"role": "assistant", "content": tool_call_text(broken, tool_name)},
-                     {"role": "tool", "content": render(ToolResult("runtime_error", stderr=_syntax_error(broken)))}]
+                     {"role": "tool", "content": render(ToolResult("runtime_error",
+                                                                   stderr=_syntax_error(broken, error_format)))}]
     return messages + [
         {"role": "assistant", "content": tool_call_text(problem.solution, tool_name)},
         {"role": "tool", "content": render(ToolResult(STATUS_OK, stdout=stdout))},
@@ -314,14 +314,14 @@ def behaviours_for(n: int, mix: Sequence[float], seed: int) -> list[str]:
 
 def write_sft_file(path: str | pathlib.Path, problems: Sequence[Problem], *, tool_name: str = DEFAULT_TOOL_NAME,
                    format_observation: Callable[[ToolResult], str] | None = None,
-                   behaviours: Sequence[str] | None = None) -> pathlib.Path:
+                   behaviours: Sequence[str] | None = None, error_format: str = "traceback") -> pathlib.Path:
     """jsonl of {"messages": [...], "answer": "N", "behaviour": ...}: the SFT input format."""
     path = pathlib.Path(path)
     behaviours = behaviours or ["tool"] * len(problems)
     with _written_whole(path) as tmp, open(tmp, "w") as f:
         for p, behaviour in zip(problems, behaviours, strict=True):
             messages = sft_conversation(p, tool_name=tool_name, format_observation=format_observation,
-                                        behaviour=behaviour)
+                                        behaviour=behaviour, error_format=error_format)
             f.write(json.dumps({"messages": messages, "answer": str(p.answer), "behaviour": behaviour}) + "\n")
     return path
 
@@ -350,10 +350,11 @@ def prepare_synthetic_data(out_dir: str | pathlib.Path, *, num_train: int, num_e
                            kinds: Sequence[str] = (), difficulty: int = 1, tool_name: str = DEFAULT_TOOL_NAME,
                            format_observation: Callable[[ToolResult], str] | None = None,
                            sft_stages: Sequence[tuple[int, Sequence[float]]] = ((0, (0.0, 1.0, 0.0)),),
-                           ) -> SyntheticFiles:
+                           error_format: str = "traceback") -> SyntheticFiles:
     """Writes RL problems, held-out problems and solved SFT conversations into `out_dir` and returns
     their paths. `sft_stages`: (conversations, weights over `BEHAVIOURS`) per SFT stage, 0
-    conversations meaning `num_train`; stage i goes to `sft_<i>.jsonl`. Deterministic in the seed, so a
+    conversations meaning `num_train`; stage i goes to `sft_<i>.jsonl`; failing calls' errors read as
+    the sandbox's `error_format` reports them. Deterministic in the seed, so a
     resumed run rewrites identical files. Held-out and SFT problems use their own seeds (seed+1,
     seed+2); no RL or SFT problem is a held-out one (small kinds, such as `product`'s 4624
     questions, may repeat within the RL or the SFT set)."""
@@ -367,7 +368,7 @@ def prepare_synthetic_data(out_dir: str | pathlib.Path, *, num_train: int, num_e
     files, start = [], 0
     for i, (n, (_, mix)) in enumerate(zip(counts, sft_stages)):
         files.append(write_sft_file(out / f"sft_{i}.jsonl", sft[start:start + n], tool_name=tool_name,
-                                    format_observation=format_observation,
+                                    format_observation=format_observation, error_format=error_format,
                                     behaviours=behaviours_for(n, mix, seed + 3 + i)))
         start += n
     return SyntheticFiles(

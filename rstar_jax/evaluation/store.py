@@ -44,6 +44,12 @@ def sampling_settings(loop: LoopConfig, *, k: int, files: Sequence[str], policy:
         "observation_style": loop.observation_style,
         "observation_max_chars": loop.observation_max_chars,
         "tool_timeout_s": loop.tool_timeout_s,
+        "tool_memory_mb": loop.tool_memory_mb,
+        "tool_memory_address_space": loop.tool_memory_address_space,
+        "tool_stream_cap_chars": loop.tool_stream_cap_chars,
+        "tool_error_format": loop.tool_error_format,
+        "tool_cold_imports": loop.tool_cold_imports,
+        "tool_call_parsing": loop.tool_call_parsing,
         "use_tools": loop.use_tools,
         "seed": loop.seed,
     }

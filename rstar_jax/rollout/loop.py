@@ -22,9 +22,16 @@ import numpy as np
 from rstar_jax.agent.stats import PARSE_ERROR, count_answer_tags, is_tool_error
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
-from rstar_jax.agent.tool_calls import ToolCallError, format_observation, parse_tool_calls
+from rstar_jax.agent.tool_calls import (
+    CALL_PARSING,
+    OBSERVATION_STYLES,
+    ToolCallError,
+    format_observation,
+    parse_tool_calls,
+)
 from rstar_jax.errors import from_paths
 from rstar_jax.rollout.protocol import FINISH_ABORT, FINISH_LENGTH, Generator, SamplingParams, Scheduler
+from rstar_jax.rollout.tool_env import SANDBOX_OPTION_FIELDS, ToolEnv
 from rstar_jax.rollout.trajectory import (
     STOP_ABORTED,
     STOP_BUDGET,
@@ -44,8 +51,6 @@ Scorer = Callable[..., Awaitable[float]]  # async (model_text, gold, truncated=.
 
 log = logging.getLogger(__name__)
 
-OBSERVATION_STYLES = ("release", "paper")
-
 
 @dataclasses.dataclass(frozen=True)
 class LoopConfig:
@@ -59,6 +64,14 @@ class LoopConfig:
     observation_style: str = "release"
     observation_max_chars: int = 256
     tool_timeout_s: float | None = None  # None: the sandbox's default
+    # The rest of the tool environment (rstar_jax.rollout.tool_env), sent with every call (None: the
+    # sandbox client's defaults): memory and its kind, per-stream character cap, error format, no pre-imports.
+    tool_memory_mb: int | None = None
+    tool_memory_address_space: bool | None = None
+    tool_stream_cap_chars: int | None = None
+    tool_error_format: str | None = None
+    tool_cold_imports: bool | None = None
+    tool_call_parsing: str = "rich"  # "release" | "rich" (rstar_jax.agent.tool_calls)
     use_tools: bool = True  # False: tool calls are never executed (the first turn is the last)
     # Seeded sampling: each trajectory draws from a seed derived from (seed, group_id, sample_index),
     # so its tokens do not depend on batching or timing (reproducible runs, exact resume).
@@ -85,19 +98,33 @@ class LoopConfig:
             raise ValueError(f"LoopConfig.observation_max_chars must be >= 1, got {self.observation_max_chars}")
         if self.tool_timeout_s is not None and not self.tool_timeout_s > 0:
             raise ValueError(f"LoopConfig.tool_timeout_s must be > 0 (or None), got {self.tool_timeout_s}")
+        if self.tool_call_parsing not in CALL_PARSING:
+            raise ValueError(f"LoopConfig.tool_call_parsing must be one of {CALL_PARSING}, "
+                             f"got {self.tool_call_parsing!r}")
 
     @classmethod
     def from_config(cls, config, sampling: str = "rollout") -> "LoopConfig":
         """Turns, budget and sampling from `config.<sampling>` ("rollout" for RL, "eval" for the
-        evaluation protocol), the tool protocol from `config.rollout`, the call limit from
-        `config.sandbox`. A ConfigError names the config field of an invalid value."""
+        evaluation protocol), the tool protocol from `config.rollout`, the tool environment (its
+        observations and the sandbox's per-call options) from `config.sandbox.preset` and the fields
+        that override it (`ToolEnv.from_config`). A ConfigError names the config field of an invalid value."""
         paths = {name: f"{sampling}.{name}" for name in ("max_turns", "response_budget", "temperature", "top_p",
                                                           "top_k")}
         paths.update({"tool_name": "rollout.tool_name", "max_calls_per_turn": "rollout.max_tool_calls_per_turn",
                       "observation_style": "rollout.observation_style",
-                      "observation_max_chars": "rollout.observation_max_chars", "tool_timeout_s": "sandbox.timeout_s",
-                      "use_tools": "rollout.tools", "seed": "seed"})
-        return from_paths(cls, config, paths, seed=config.seed if config.rollout.seeded_sampling else None)
+                      "observation_max_chars": "rollout.observation_max_chars",
+                      "tool_call_parsing": "rollout.tool_call_parsing", "use_tools": "rollout.tools", "seed": "seed"})
+        paths.update({f"tool_{name}": path for name, path in SANDBOX_OPTION_FIELDS.items()})
+        env = ToolEnv.from_config(config)
+        tool = {f"tool_{name}": value for name, value in env.sandbox_options().items()}
+        return from_paths(cls, config, paths, seed=config.seed if config.rollout.seeded_sampling else None,
+                          observation_style=env.observation_style, observation_max_chars=env.observation_max_chars,
+                          tool_call_parsing=env.tool_call_parsing, **tool)
+
+    def sandbox_options(self) -> dict:
+        """The options each tool call sends to the sandbox (those set)."""
+        options = {name: getattr(self, f"tool_{name}") for name in SANDBOX_OPTION_FIELDS}
+        return {name: value for name, value in options.items() if value is not None}
 
 
 _rid_counter = itertools.count()
@@ -128,8 +155,7 @@ async def _generate(gen: Generator, input_ids: list[int], sampling: SamplingPara
 async def _run_call(call, executor: ToolExecutor, config: LoopConfig) -> tuple[str, str]:
     if isinstance(call, ToolCallError):
         return PARSE_ERROR, format_observation(call, max_chars=config.observation_max_chars)
-    kwargs = {"timeout_s": config.tool_timeout_s} if config.tool_timeout_s else {}
-    result = await executor.execute(call.code, call.stdin, **kwargs)
+    result = await executor.execute(call.code, call.stdin, **config.sandbox_options())
     return result.status, format_observation(result, style=config.observation_style,
                                               max_chars=config.observation_max_chars)
 
@@ -192,7 +218,8 @@ async def run_trajectory(
                 break
             # A turn that ends with EOS exactly at the budget is complete: an answer there counts, and
             # a tool call there is stopped below because its observation cannot be appended.
-            calls = parse_tool_calls(turn_text, tool_names=(template.tool_name,), max_calls=config.max_calls_per_turn)
+            calls = parse_tool_calls(turn_text, tool_names=(template.tool_name,), max_calls=config.max_calls_per_turn,
+                                     parsing=config.tool_call_parsing)
             if not calls:
                 traj.finish_reason = STOP_NO_TOOL_CALL
                 break

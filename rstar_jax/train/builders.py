@@ -43,6 +43,7 @@ from rstar_jax.parallel import MESH_AXES, create_sharded_model, make_mesh, multi
 from rstar_jax.rollout.engine import JaxEngine
 from rstar_jax.rollout.local_server import LocalServer
 from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler
+from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.rollout.sglang import SGLangGenerator
 from rstar_jax.train.checkpoint import Checkpointer, CheckpointError, PolicySource, stored_config
 from rstar_jax.train.metrics import MetricsWriter
@@ -215,17 +216,23 @@ def _synthetic(config) -> tuple[pathlib.Path, dict]:
 
 def prepare_data(config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(RL problem files, SFT conversation files, trained in order): generated into `<run_dir>/data`
-    for a synthetic config (tool results rendered as the rollout loop renders them), else the
-    configured files."""
+    for a synthetic config (tool results as the run's tool environment reports them and the rollout
+    loop renders them), else the configured files."""
     if not config.data.synthetic.enabled:
         return tuple(config.data.train_files), tuple(config.sft.train_files)
-    r, syn = config.rollout, config.data.synthetic
-    observation = lambda result: format_observation(  # noqa: E731  (as the rollout loop renders it)
-        result, style=r.observation_style, max_chars=r.observation_max_chars)
+    r, syn, env = config.rollout, config.data.synthetic, ToolEnv.from_config(config)
+
+    def observation(result) -> str:  # the sandbox's stream cut, then the rollout loop's rendering
+        if env.stream_cap_chars:
+            result = dataclasses.replace(result, stdout=result.stdout[:env.stream_cap_chars],
+                                         stderr=result.stderr[:env.stream_cap_chars])
+        return format_observation(result, style=env.observation_style, max_chars=env.observation_max_chars)
+
     out, kw = _synthetic(config)
     files = prepare_synthetic_data(out, num_train=syn.num_train,
                                    sft_stages=tuple((n, tuple(mix)) for n, mix in syn.sft_stages),
-                                   tool_name=r.tool_name, format_observation=observation, **kw)
+                                   tool_name=r.tool_name, format_observation=observation,
+                                   error_format=env.error_format, **kw)
     return (str(files.train),), tuple(map(str, files.sft))
 
 
@@ -312,12 +319,14 @@ def checkpointer(config, model: Qwen3, tokenizer: Tokenizer) -> Checkpointer:
 @contextlib.contextmanager
 def sandbox(config) -> Iterator[list[str]]:
     """The sandbox targets for the run: a local server started here and stopped on exit
-    (`sandbox.launch_local`), else `sandbox.targets`."""
+    (`sandbox.launch_local`; its default limits are the tool environment's, which every call also
+    sends), else `sandbox.targets`."""
     s = config.sandbox
     if not s.launch_local:
         yield list(s.targets)
         return
-    with LocalSandbox(workers=s.workers, memory_mb=s.memory_mb, timeout_s=s.timeout_s,
+    env = ToolEnv.from_config(config)
+    with LocalSandbox(workers=s.workers, memory_mb=env.memory_mb, timeout_s=env.timeout_s,
                       verify_timeout_s=s.verify_timeout_s) as local:
         yield [local.target]
 
@@ -357,11 +366,12 @@ class RolloutResources:
 @contextlib.asynccontextmanager
 async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine | None = None,
                             urls: Sequence[str] = ()) -> AsyncIterator[RolloutResources]:
-    """The sandbox client (limits from `config.sandbox`), the scorer (`sandbox.verify_via`, one
-    timeout `sandbox.verify_timeout_s`) and the generators: `engine`, or SGLang clients for `urls`
-    behind `rollout.scheduler`. Everything belongs to the running event loop and is closed on exit."""
+    """The sandbox client (its per-call defaults: the tool environment, `ToolEnv.from_config`), the
+    scorer (`sandbox.verify_via`, one timeout `sandbox.verify_timeout_s`) and the generators: `engine`,
+    or SGLang clients for `urls` behind `rollout.scheduler`. Everything belongs to the running event
+    loop and is closed on exit."""
     s = config.sandbox
-    client = SandboxClient(list(targets), timeout_s=s.timeout_s, memory_mb=s.memory_mb)
+    client = SandboxClient(list(targets), **ToolEnv.from_config(config).sandbox_options())
     scorer = make_scorer(s.verify_via, timeout_s=s.verify_timeout_s, sandbox_client=client)
     resources = RolloutResources(client=client, scorer=scorer, engine=engine)
     try:
