@@ -240,9 +240,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.eval.generator_urls = ()
 
     # `python -m rstar_jax.filter_hard`: spec §5.3 stage-3 hard set, drop problems solved k of k.
-    # Sampling uses the config's rollout settings (temperature, T, response budget).
+    # Sampling uses the config's rollout settings (response budget, top_p, top_k), with the
+    # temperature and turns below (None = rollout's): stage 3's config sets stage 2's, since the
+    # paper filters with the stage-2 policy as stage 2 sampled.
     c.filter_hard = ml_collections.ConfigDict()
     c.filter_hard.k = 8  # spec §5.3: 8 rollouts per problem
+    c.filter_hard.temperature = config_dict.placeholder(float)
+    c.filter_hard.max_turns = config_dict.placeholder(int)
     c.filter_hard.output_file = ""
     c.filter_hard.input_files = ()  # the problems to filter; () = data.train_files
     # The policy (spec §5.3: the latest stage-2 policy): this orbax run/checkpoints directory, else

@@ -12,6 +12,10 @@ from rstar_jax.config import sibling_config
 
 def get_config() -> ml_collections.ConfigDict:
     c = sibling_config(__file__, "stage2")
+    # The hard set is what the stage-2 policy solves as stage 2 samples it (spec §5.3): its
+    # temperature and T = 10, kept here before stage 3 raises T.
+    c.filter_hard.temperature = c.rollout.temperature
+    c.filter_hard.max_turns = c.rollout.max_turns
     c.stage = "stage3"
     c.run_dir = "runs/stage3"
     c.sandbox.preset = "release"  # spec §5.3: stage 3 continues the run in the same tool environment

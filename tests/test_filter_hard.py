@@ -8,7 +8,7 @@ import pytest
 
 from rstar_jax.config import REPO_CONFIGS, ConfigError, check_filter_hard, load_config_file, validate
 from rstar_jax.evaluation import EvalError, split_by_solved, write_rows
-from rstar_jax.train.held_out import run_filter_hard
+from rstar_jax.train.held_out import filter_hard_loop, run_filter_hard
 from rstar_jax.model.hf import save_pretrained
 from tests.test_evaluate import TINY, _env, answering_model, config_from_flags
 
@@ -85,6 +85,19 @@ def test_rows_keep_their_content_in_json_and_parquet(tmp_path):
     assert pq.read_table(tmp_path / "hard.parquet").to_pylist() == [table.to_pylist()[1], table.to_pylist()[3]]
 
 
+def test_stage3_filters_with_stage2_sampling():
+    # spec §5.3: the stage-2 policy, sampled as stage 2 samples (T = 10), not stage 3's T = 15.
+    stage2, stage3 = (load_config_file(REPO_CONFIGS / f"stage{i}.py") for i in (2, 3))
+    assert stage3.rollout.max_turns == 15 and stage2.rollout.max_turns == 10
+    loop = filter_hard_loop(stage3)
+    assert (loop.max_turns, loop.temperature, loop.response_budget) == \
+        (stage2.rollout.max_turns, stage2.rollout.temperature, stage2.rollout.response_budget)
+    stage3.filter_hard.max_turns, stage3.filter_hard.temperature = 4, 0.7  # overridable
+    assert (filter_hard_loop(stage3).max_turns, filter_hard_loop(stage3).temperature) == (4, 0.7)
+    stage3.filter_hard.max_turns = stage3.filter_hard.temperature = None  # None: the rollout's own
+    assert filter_hard_loop(stage3).max_turns == 15
+
+
 def test_bad_filter_hard_configs_name_the_field(tmp_path):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text("{}")
@@ -113,6 +126,8 @@ def test_bad_filter_hard_configs_name_the_field(tmp_path):
         r"config\.filter_hard\.checkpoint_dir: filtering needs a policy": {"model.hf_path": "", "train.init_from": ""},
         r"config\.train\.init_from: .*does not exist": {"model.hf_path": ""},  # stage 3 defaults to stage 2's run
     }
+    cases.update({r"config\.filter_hard\.max_turns: must be >= 1": {"filter_hard.max_turns": 0},
+                  r"config\.filter_hard\.temperature: must be >= 0": {"filter_hard.temperature": -1.0}})
     for message, extra in cases.items():
         with pytest.raises(ConfigError, match=message):
             check_filter_hard(validate(stage3_config({**ok, **extra}), check_files=False))

@@ -376,6 +376,10 @@ def check_filter_hard(config: ml_collections.ConfigDict, *, check_files: bool = 
     check.require(bool(f.checkpoint_dir or config.model.hf_path or config.train.init_from or f.generator_urls),
                   "filter_hard.checkpoint_dir", "filtering needs a policy: set filter_hard.checkpoint_dir, "
                   "model.hf_path, train.init_from or filter_hard.generator_urls")
+    check.require(f.temperature is None or f.temperature >= 0, "filter_hard.temperature",
+                  f"must be >= 0 (or None: rollout.temperature), got {f.temperature}")
+    check.require(f.max_turns is None or f.max_turns >= 1, "filter_hard.max_turns",
+                  f"must be >= 1 (or None: rollout.max_turns), got {f.max_turns}")
     _check_tokenizer_source(check)
     if check_files:
         if check.ok(field):

@@ -202,6 +202,14 @@ class HeldOutEvaluation:
 
 # -- the stage-3 hard-set filter --------------------------------------------------------------------
 
+def filter_hard_loop(config) -> LoopConfig:
+    """The RL rollout settings (the policy as training samples it) with filter_hard's temperature and
+    turns where set (stage 3's config: stage 2's)."""
+    f = config.filter_hard
+    chosen = {name: f[name] for name in ("temperature", "max_turns") if f[name] is not None}
+    return dataclasses.replace(LoopConfig.from_config(config), **chosen)
+
+
 def run_filter_hard(config) -> dict:
     """Samples (or resumes), writes the rows not solved k of k to filter_hard.output_file; returns
     the summary (also `<run_dir>/filter_hard/summary.json`). The config passed
@@ -220,7 +228,7 @@ def run_filter_hard(config) -> dict:
     source = policy_source(hf_path=config.model.hf_path, checkpoint_dir=f.checkpoint_dir,
                            checkpoint_step=f.checkpoint_step, generator_urls=f.generator_urls, prefix="filter_hard",
                            fallback_dir=config.train.init_from, fallback_field="train.init_from")
-    loop = LoopConfig.from_config(config)  # the RL rollout settings: the policy as training samples it
+    loop = filter_hard_loop(config)
     work = pathlib.Path(config.run_dir) / WORK_DIR
     store = SampleStore(work, settings_of(config, loop, k=f.k, files=inputs, policy=source.identity()))
     groups = sample_questions(config, questions, k=f.k, loop=loop, store=store, source=source, desc="filter_hard")
