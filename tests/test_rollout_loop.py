@@ -305,3 +305,38 @@ def test_without_tools_a_call_is_never_executed():
     answered = asyncio.run(run_trajectory(ScriptedGenerator({"Q": turns[1:]}), TOK, executor, "Q", "42",
                                           config=LoopConfig(use_tools=False), scorer=exact_scorer))
     assert answered.reward == 1.0 and answered.finish_reason == STOP_NO_TOOL_CALL
+
+
+def test_generation_stops_on_the_models_eos_set(tmp_path):
+    from rstar_jax.agent.tokenizer import HFTokenizer
+    from rstar_jax.config import REPO_CONFIGS, load_config_file
+    from rstar_jax.train import builders
+    from tests.agent_helpers import write_chatml_tokenizer
+
+    ids = write_chatml_tokenizer(tmp_path)
+    im_end, endoftext = ids["<|im_end|>"], ids["<|endoftext|>"]
+    assert HFTokenizer(tmp_path).stop_ids == (im_end, endoftext)  # no generation config: the ChatML pair
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": endoftext}))  # a base model's
+    assert HFTokenizer(tmp_path).stop_ids == (im_end, endoftext)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, 3, endoftext]}))
+    assert HFTokenizer(tmp_path).stop_ids == (im_end, 3, endoftext)
+    assert ByteTokenizer().stop_ids == (258, 256)
+    # The model directory's generation config counts when the tokenizer files live elsewhere.
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    write_chatml_tokenizer(tokenizer_dir)
+    config = load_config_file(REPO_CONFIGS / "base.py")
+    config.model.hf_path, config.tokenizer.path = str(tmp_path), str(tokenizer_dir)
+    assert builders.tokenizer(config).stop_ids == (im_end, 3, endoftext)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, "<|im_end|>"]}))
+    with pytest.raises(ValueError, match=r"generation_config\.json: eos_token_id must be a token id or a list"):
+        HFTokenizer(tmp_path)
+
+    class Recording(ScriptedGenerator):
+        async def generate(self, input_ids, sampling, rid=None):
+            self.stops = sampling.stop_token_ids
+            return await super().generate(input_ids, sampling, rid)
+
+    gen = Recording({"Q": [f"\\boxed{{42}}{IM_END}"]})
+    asyncio.run(run_trajectory(gen, TOK, FakeExecutor(), "Q", "42", config=LoopConfig(), scorer=exact_scorer))
+    assert gen.stops == TOK.stop_ids == (TOK.eos_id, TOK.token_to_id("<|endoftext|>"))

@@ -7,6 +7,7 @@ tokens are recognised as whole strings when encoding.
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -23,8 +24,15 @@ class Tokenizer(Protocol):
     eos_id: int  # <|im_end|>: ends an assistant turn
     im_end_id: int  # the same id as eos_id
     pad_id: int
+    # Ids that end a generation: `<|im_end|>` first, then the rest of the model's EOS set (its
+    # generation config's eos_token_id), as SGLang and transformers stop on the whole set.
+    stop_ids: tuple[int, ...]
 
     def encode(self, text: str) -> list[int]: ...
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`encode(text)` and each token's (start, end) character span in `text`."""
+        ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
 
@@ -53,6 +61,7 @@ class ByteTokenizer:
         self._split = (re.compile("(" + "|".join(re.escape(s) for s in allowed) + ")") if allowed else None)
         self.eos_id = self.im_end_id = self._special_ids[IM_END]
         self.pad_id = self._special_ids[ENDOFTEXT]
+        self.stop_ids = tuple(self._special_ids[s] for s in (IM_END, ENDOFTEXT) if s in self._special_ids)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
@@ -66,6 +75,23 @@ class ByteTokenizer:
             else:
                 ids.extend(piece.encode("utf-8"))
         return ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        pieces = self._split.split(text) if self._split is not None else [text]
+        position = 0
+        for piece in pieces:
+            if piece in self._special_ids and self._split is not None:
+                ids.append(self._special_ids[piece])
+                offsets.append((position, position + len(piece)))
+            else:
+                for i, char in enumerate(piece):
+                    raw = char.encode("utf-8")
+                    ids.extend(raw)
+                    offsets.extend([(position + i, position + i + 1)] * len(raw))
+            position += len(piece)
+        return ids, offsets
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         out: list[str] = []
@@ -95,9 +121,14 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizer.json` through the `tokenizers` library (no transformers needed)."""
+    """A Hugging Face `tokenizer.json` through the `tokenizers` library (no transformers needed).
 
-    def __init__(self, path: str | os.PathLike):
+    generation_config: the model's `generation_config.json` (or its directory); its `eos_token_id`
+    (an id or a list) joins `<|im_end|>` in `stop_ids`. None: the one beside the tokenizer, if any;
+    without one the stop set is `<|im_end|>` and `<|endoftext|>`.
+    """
+
+    def __init__(self, path: str | os.PathLike, generation_config: str | os.PathLike | None = None):
         from tokenizers import Tokenizer as _Tokenizer
 
         path = pathlib.Path(path)
@@ -112,9 +143,18 @@ class HFTokenizer:
         pad = self._tok.token_to_id(ENDOFTEXT)
         self.pad_id = pad if pad is not None else self.eos_id
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        eos = _generation_eos(file.parent if generation_config is None else pathlib.Path(generation_config),
+                              required=generation_config is not None)
+        if eos is None:
+            eos = [pad] if pad is not None else []
+        self.stop_ids = tuple(dict.fromkeys([self.eos_id, *eos]))
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, [tuple(span) for span in encoding.offsets]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
@@ -126,11 +166,35 @@ class HFTokenizer:
         return tid
 
 
-def load_tokenizer(kind: str, path: str | os.PathLike | None = None) -> Tokenizer:
+def _generation_eos(path: pathlib.Path, *, required: bool) -> list[int] | None:
+    """`eos_token_id` of a generation config (a file or its directory) as a list; None when there is
+    no such file (and it is not `required`) or it names no eos."""
+    file = path / "generation_config.json" if path.is_dir() else path
+    if not file.is_file():
+        if required:
+            raise FileNotFoundError(f"generation config {file} does not exist")
+        return None
+    try:
+        eos = json.loads(file.read_text()).get("eos_token_id")
+    except (json.JSONDecodeError, AttributeError) as e:
+        raise ValueError(f"{file}: not a JSON object ({e})") from None
+    eos = [eos] if isinstance(eos, int) else eos
+    if eos is None:
+        return None
+    # Not bounded by the tokenizer's size: a model's embedding may be larger (Qwen3: 151,936 rows for
+    # 151,669 tokens), and an id no token has is simply never sampled.
+    if not (isinstance(eos, list) and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos)):
+        raise ValueError(f"{file}: eos_token_id must be a token id or a list of token ids, got {eos!r}")
+    return eos
+
+
+def load_tokenizer(kind: str, path: str | os.PathLike | None = None,
+                   generation_config: str | os.PathLike | None = None) -> Tokenizer:
+    """generation_config (hf only): where the model's EOS set is read (see `HFTokenizer`)."""
     if kind == "byte":
         return ByteTokenizer()
     if kind == "hf":
         if not path:
             raise ValueError("an hf tokenizer needs a path (tokenizer.json or its directory)")
-        return HFTokenizer(path)
+        return HFTokenizer(path, generation_config)
     raise ValueError(f"unknown tokenizer kind {kind!r}; expected 'byte' or 'hf'")

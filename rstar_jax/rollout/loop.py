@@ -200,7 +200,7 @@ async def run_trajectory(
         while True:
             remaining = config.response_budget - len(traj.response_ids)
             sampling = SamplingParams(max_new_tokens=remaining, temperature=config.temperature, top_p=config.top_p,
-                                      top_k=config.top_k, stop_token_ids=(tokenizer.eos_id,), seed=seed)
+                                      top_k=config.top_k, stop_token_ids=tokenizer.stop_ids, seed=seed)
             result = await _generate(gen, prompt_ids + traj.response_ids, sampling, rid)
             traj.response_ids += list(result.token_ids)
             traj.loss_mask += [1] * len(result.token_ids)

@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 
 from rstar_jax.agent.reward import make_scorer
 from rstar_jax.agent.template import ChatTemplate
-from rstar_jax.agent.tokenizer import ENDOFTEXT, Tokenizer, load_tokenizer
+from rstar_jax.agent.tokenizer import Tokenizer, load_tokenizer
 from rstar_jax.agent.tool_calls import format_observation
 from rstar_jax.data.datasets import LoadReport, PromptIterator, load_examples
 from rstar_jax.data.synthetic import prepare_synthetic_data, write_held_out
@@ -199,9 +199,14 @@ def make_engine(config, model: Qwen3, mesh: Mesh | None, *, max_length: int | No
 # -- protocol and data -----------------------------------------------------------------------------
 
 def tokenizer(config) -> Tokenizer:
-    """`tokenizer.path`, else `model.hf_path`'s files, else those of the run `train.init_from` continues."""
-    path = config.tokenizer.path or config.model.hf_path or previous_stage(config)[1]
-    return load_tokenizer(config.tokenizer.kind, path or None)
+    """`tokenizer.path`, else `model.hf_path`'s files, else those of the run `train.init_from` continues.
+    Generation stops on the model's EOS set: its `generation_config.json` where the model has one."""
+    previous_model, previous_tokenizer = previous_stage(config)
+    path = config.tokenizer.path or config.model.hf_path or previous_tokenizer
+    model_dir = config.model.hf_path or previous_model
+    generation = pathlib.Path(model_dir) / "generation_config.json" if model_dir else None
+    return load_tokenizer(config.tokenizer.kind, path or None,
+                          generation if generation is not None and generation.is_file() else None)
 
 
 def template(config) -> ChatTemplate:
@@ -283,27 +288,16 @@ def metrics_writer(config) -> MetricsWriter:
                          jsonl=config.metrics.jsonl and writer)
 
 
-def stop_token_ids(tokenizer: Tokenizer) -> tuple[int, ...]:
-    """The chat model's stop tokens: `<|im_end|>` (the tokenizer's eos), then `<|endoftext|>` where the
-    vocabulary has it."""
-    ids = [tokenizer.eos_id]
-    try:
-        ids.append(tokenizer.token_to_id(ENDOFTEXT))
-    except KeyError:
-        pass
-    return tuple(dict.fromkeys(ids))
-
-
 def export_hf(config, model: Qwen3, tokenizer: Tokenizer, path: str | os.PathLike) -> pathlib.Path:
     """A run's HF export: `checkpoint.export_dtype`, the tokenizer files of an `hf` tokenizer (from
-    `tokenizer.path`, else `model.hf_path`) and a generation config stopping on `stop_token_ids`, so
+    `tokenizer.path`, else `model.hf_path`) and a generation config stopping on the tokenizer's `stop_ids`, so
     the next stage, `evaluate`, transformers and SGLang can all start from the directory."""
     source = config.tokenizer.path or config.model.hf_path
     tokenizer_dir = None
     if config.tokenizer.kind == "hf" and source:
         tokenizer_dir = pathlib.Path(source) if pathlib.Path(source).is_dir() else pathlib.Path(source).parent
     return save_pretrained(model, path, dtype=config.checkpoint.export_dtype or None, tokenizer_dir=tokenizer_dir,
-                           stop_token_ids=stop_token_ids(tokenizer))
+                           stop_token_ids=tokenizer.stop_ids)
 
 
 def checkpointer(config, model: Qwen3, tokenizer: Tokenizer) -> Checkpointer:
