@@ -59,6 +59,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.format = "auto"  # "auto" (by extension) | "json" | "jsonl" | "parquet"
     c.data.shuffle_seed = 0
     c.data.on_bad_row = "error"  # "error" | "skip" (skipped rows are counted and reported)
+    # Drop (and count) RL prompts longer than rollout.max_prompt_length tokens, chat template and tools
+    # block included, as the release (filter_overlong_prompts=True); False refuses them naming the row.
+    c.data.filter_overlong_prompts = True
     c.data.num_prompts_per_step = 512  # spec §5.3: 512 prompts per step (PAPER §4.3)
     c.data.synthetic = ml_collections.ConfigDict()
     c.data.synthetic.enabled = False  # generate tool-use problems into run_dir instead of train_files
@@ -170,7 +173,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.init_from = ""
 
     c.sft = ml_collections.ConfigDict()
-    c.sft.train_files = ()  # conversations (jsonl of {"messages": [...]}), trained file after file; synthetic when enabled
+    # Conversations in the messages format of HF chat templates / OpenAI (system, user, assistant with
+    # content and/or tool_calls, tool; per-conversation "tools"), jsonl/json/parquet rows of
+    # {"messages": [...], "tools": [...]}, trained file after file; synthetic when enabled.
+    c.sft.train_files = ()
+    # How each file is rendered, one entry per file or one for all: "qwen3" (Qwen3's stock chat
+    # template, for general data with its own system prompts and tools: the paper's function-calling,
+    # instruction and chat mix) or "rstar2" (the RL prompt of rollout.template, for math tool-use data).
+    c.sft.templates = ("rstar2",)
     c.sft.epochs = 3  # spec §5.1: 3 epochs, lr 5e-6, 4% warm-up, cosine decay, batch 128
     c.sft.lr = 5e-6
     c.sft.warmup_ratio = 0.04

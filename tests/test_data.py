@@ -128,10 +128,11 @@ def test_sft_behaviours_answer_directly_or_fix_a_failing_call():
 def test_sft_file_round_trip_and_bad_conversations(tmp_path):
     problems = generate_problems(6, seed=1)
     path = write_sft_file(tmp_path / "sft.jsonl", problems)
-    conversations = read_conversations(path)
-    assert len(conversations) == 6 and conversations[2][0]["content"] == problems[2].question
+    conversations, report = read_conversations(path)
+    assert len(conversations) == 6 and conversations[2].messages[0].content == problems[2].question
+    assert report.rows_kept == 6 and conversations[2].source == f"{path} row 2 (line 3)"
     (tmp_path / "bad.jsonl").write_text('{"messages": [{"role": "robot", "content": "x"}]}\n')
-    with pytest.raises(DataError, match=r"bad.jsonl row 0 \(line 1\): messages\[0\] must be"):
+    with pytest.raises(DataError, match=r"bad.jsonl row 0 \(line 1\): messages\[0\]: expected \{role"):
         read_conversations(tmp_path / "bad.jsonl")
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(DataError, match="empty"):
@@ -257,9 +258,33 @@ def test_prompt_iterator_from_the_config(tmp_path):
 
     path = write_problems(tmp_path / "p.parquet", generate_problems(10, seed=0))
     config = load_config_file(REPO_CONFIGS / "tiny.py")
-    it, report = builders.prompt_iterator(config, (str(path),))
+    config.rollout.max_prompt_length = 256  # every kind of problem (tiny trains on short products only)
+    it, report = builders.prompt_iterator(config, (str(path),), builders.tokenizer(config))
     batch = next(it)
     assert len(batch) == config.data.num_prompts_per_step == 4 and report.rows_kept == 10
+
+
+def test_overlong_prompts_are_dropped_and_counted_or_refused(tmp_path, capsys):
+    from rstar_jax.train import builders
+
+    config = load_config_file(REPO_CONFIGS / "tiny.py")  # byte tokenizer: a prompt is its bytes + specials
+    tokenizer, template = builders.tokenizer(config), builders.template(config)
+    length = builders.prompt_length(tokenizer, template)
+    fits = "x" * (config.rollout.max_prompt_length - len(template.prompt_ids(tokenizer, "")))
+    rows = [{"question": q, "answer": "1"} for q in ("short", fits, fits + "y", "also short", fits * 2)]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert [length(r["question"]) for r in rows] == [len(template.prompt_ids(tokenizer, r["question"])) for r in rows]
+    assert length(fits) == config.rollout.max_prompt_length  # exactly at the limit is kept
+    config.data.num_prompts_per_step = 1
+    it, report = builders.prompt_iterator(config, (str(path),), tokenizer)
+    assert sorted(e.row for e in it.examples) == [0, 1, 3]
+    assert report.skipped == {"overlong_prompt": 2} and report.rows_kept == 3 and report.rows_read == 5
+    assert "p.jsonl row 2: the prompt has" in report.examples_of_skipped[0]
+    assert "dropped 2 of 5 prompts longer than rollout.max_prompt_length" in capsys.readouterr().out
+    config.data.filter_overlong_prompts = False
+    with pytest.raises(DataError, match=r"p\.jsonl row 2: the prompt has \d+ tokens, more than rollout\.max_prompt"):
+        builders.prompt_iterator(config, (str(path),), tokenizer)
 
 
 def test_prepare_synthetic_data_from_the_tiny_config(tmp_path):
@@ -273,11 +298,11 @@ def test_prepare_synthetic_data_from_the_tiny_config(tmp_path):
     train, _ = read_examples(train_file)
     (eval_file,) = builders.held_out_files(config)
     held_out, _ = read_examples(eval_file)
-    stages = [read_conversations(f) for f in sft_files]
+    stages = [read_conversations(f)[0] for f in sft_files]
     assert (len(train), len(held_out), [len(s) for s in stages]) == (12, 4, [8, 6])
     assert not {e.question for e in held_out} & {e.question for e in train}
-    sft_questions = {c[0]["content"] for s in stages for c in s}
+    sft_questions = {c.messages[0].content for s in stages for c in s}
     assert not sft_questions & {e.question for e in held_out}
-    assert config.rollout.tool_name in stages[0][0][1]["content"]
+    assert config.rollout.tool_name in stages[0][0].messages[1].content
     first = pathlib.Path(train_file).read_bytes()
     assert pathlib.Path(builders.prepare_data(config)[0][0]).read_bytes() == first  # deterministic on resume

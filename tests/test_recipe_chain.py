@@ -1,4 +1,5 @@
-"""The recipe's stage chain through the commands the README gives, on tiny settings: SFT -> stage 1
+"""The recipe's stage chain through the commands the README gives, on tiny settings: SFT (general
+messages-format data on Qwen3's template, then math tool use on the RL template) -> stage 1
 (`model.hf_path=runs/sft/hf/final`) -> stage 2 (`train.init_from`, the config's default) ->
 `filter_hard` -> stage 3 (optimizer reset, the hard subset) -> `evaluate` on stage 3's export.
 
@@ -17,6 +18,7 @@ import sys
 import pytest
 
 from rstar_jax.data.synthetic import prepare_synthetic_data
+from tests.test_sft_conversations import ROWS as GENERAL_SFT_ROWS
 
 pytestmark = pytest.mark.slow  # six launcher runs
 
@@ -73,7 +75,12 @@ def test_the_readme_chain_from_a_hugging_face_checkpoint(tmp_path):
     files = prepare_synthetic_data(work / "data", num_train=16, num_eval=2, kinds=("product",),
                                    sft_stages=((8, (0.0, 1.0, 0.0)),))
 
-    _run(work, "rstar_jax.launch", "sft", f"--config.model.hf_path={base}", f"--config.sft.train_files=('{files.sft[0]}',)",
+    # The SFT mix as users have it: general messages-format data (system prompts, tools, structured
+    # calls) on Qwen3's stock template, then the math tool-use file on the RL template.
+    general = work / "data" / "general.jsonl"
+    general.write_text("".join(json.dumps(row) + "\n" for row in GENERAL_SFT_ROWS))
+    _run(work, "rstar_jax.launch", "sft", f"--config.model.hf_path={base}",
+         f"--config.sft.train_files=('{general}','{files.sft[0]}')", "--config.sft.templates=('qwen3','rstar2')",
          *SMALL, "--config.sft.max_length=2176", "--config.sft.micro_batch_tokens=2176", "--config.sft.batch_size=4",
          "--config.sft.epochs=1")
     _run(work, "rstar_jax.launch", "stage1", "--config.model.hf_path=runs/sft/hf/final",

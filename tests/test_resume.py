@@ -154,7 +154,7 @@ def test_next_stage_starts_from_the_previous_stages_checkpoint(tmp_path):
     assert sorted({r["group_id"] for r in first}) == [0, 1] and sorted({r["group_id"] for r in second}) == [2, 3]
     config = load_config_file(str(REPO_CONFIGS / "tiny.py"))
     config.data.num_prompts_per_step = 2
-    stream, _ = builders.prompt_iterator(config, [str(previous / "data" / "train.jsonl")])
+    stream, _ = builders.prompt_iterator(config, [str(previous / "data" / "train.jsonl")], builders.tokenizer(config))
     assert [r["question"] for r in first][::len(first) // 2] == [e.question for e in next(stream)]
     assert [r["question"] for r in second][::len(second) // 2] == [e.question for e in next(stream)]
     # The random policy earns no reward, so neither stage updated: the weights passed through unchanged.

@@ -7,7 +7,7 @@ from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import IM_END, ByteTokenizer
 from rstar_jax.data.synthetic import generate_problems, sft_conversation
 from rstar_jax.model.qwen3 import Qwen3
-from rstar_jax.train.sft import SftBatches, conversation_ids, eval_nll, sft_sequences
+from rstar_jax.train.sft import SftBatches, SftSkips, conversation_ids, eval_nll, sft_sequences
 from rstar_jax.train.step import place_batch
 
 TOK = ByteTokenizer()
@@ -24,9 +24,13 @@ def test_mask_covers_assistant_text_only():
     assert TOK.decode(ids).endswith(f"<|im_start|>assistant\n<reason>done{IM_END}")
 
 
-def test_overlong_conversation_is_an_error():
-    with pytest.raises(ValueError, match="more than sft.max_length=10"):
-        sft_sequences(TEMPLATE, TOK, [[{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]], 10)
+def test_overlong_conversations_are_skipped_and_counted():
+    short = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    long = [{"role": "user", "content": "q" * 500}, {"role": "assistant", "content": "a"}]
+    skips = SftSkips()
+    kept = sft_sequences(TEMPLATE, TOK, [short, long, short], 400, skips=skips)
+    assert len(kept) == 2 and (skips.overlong, skips.total) == (1, 1)
+    assert "conversation 1: " in skips.examples[0] and "more than sft.max_length=400" in skips.examples[0]
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import dataclasses
 import json
 from typing import Sequence
 
+from rstar_jax.agent.conversation import Conversation, ConversationError, parse_conversation, with_tool_calls
 from rstar_jax.agent.tokenizer import IM_END, IM_START, Tokenizer
 
 DEFAULT_TOOL_NAME = "python_code_with_standard_io"
@@ -163,31 +164,55 @@ class ChatTemplate:
         """
         return tokenizer.encode(self.tool_response_text(observation))
 
-    def sft_segments(self, messages: Sequence[dict]) -> list[tuple[str, bool]]:
-        """Renders a solved conversation as (text, trained) segments for SFT.
+    def sft_segments(self, conversation: Conversation | Sequence[dict]) -> list[tuple[str, bool]]:
+        """Renders a solved conversation as (text, trained) segments for SFT, in the layout of an RL
+        trajectory (encode each segment on its own, `conversation.encode_pieces`).
 
-        messages: user question, then alternating assistant / tool messages. Assistant content is
-        trained (with its closing `<|im_end|>`); everything else, including the forced `<reason>`
-        that opens each assistant turn, is context.
+        The question, then assistant turns (content and/or structured tool calls, written in the
+        Hermes form the rollout loop parses) with the tool results between them; a later user
+        message starts a new exchange. Assistant text is trained with its closing `<|im_end|>`;
+        everything else, including the forced `<reason>` that opens each assistant turn, is context.
+        The template supplies the system prompt and the python tool, so a conversation bringing its
+        own (a system message, tools) is refused: render those with the `qwen3` template.
         """
-        if not messages or messages[0].get("role") != "user":
-            raise ValueError("sft_segments: a conversation must start with a user message")
-        segments: list[tuple[str, bool]] = [(self.system_text() + self.user_text(messages[0]["content"]), False)]
-        previous = "user"
-        for i, message in enumerate(messages[1:], start=1):
-            role, content = message.get("role"), message.get("content")
-            if not isinstance(content, str):
-                raise ValueError(f"sft_segments: message {i} has no string content")
-            if role == "assistant":
+        if not isinstance(conversation, Conversation):
+            conversation = parse_conversation({"messages": list(conversation)})
+        messages = conversation.messages
+        if conversation.tools:
+            raise ConversationError("tools: the rstar2 template renders its own python tool; train conversations "
+                                    "with their own tools with the qwen3 template (sft.templates)")
+        if messages[0].role != "user":
+            raise ConversationError(f"messages[0]: the rstar2 template needs the user's question first (its own "
+                                    f"system prompt comes before it), got a {messages[0].role} message; use the "
+                                    f"qwen3 template for conversations with a system prompt")
+        segments: list[tuple[str, bool]] = [(self.system_text() + self.user_text(messages[0].content), False)]
+        previous, i = "user", 1
+        while i < len(messages):
+            m = messages[i]
+            if m.role == "assistant":
+                if previous == "assistant":
+                    raise ConversationError(f"messages[{i}]: two assistant messages in a row")
+                if m.reasoning_content is not None:
+                    raise ConversationError(f"messages[{i}].reasoning_content: the rstar2 template has no thinking "
+                                            f"block (its reasoning is the <reason> text in content)")
                 if previous == "user":
                     segments.append((GENERATION_PROMPT, False))
-                segments.append((content + IM_END, True))
-            elif role == "tool":
+                segments.append((with_tool_calls(m.content, m.tool_calls) + IM_END, True))
+            elif m.role == "tool":
                 if previous != "assistant":
-                    raise ValueError(f"sft_segments: tool message {i} does not follow an assistant turn")
-                segments.append((self.tool_response_text(content), False))
-                role = "tool"
+                    raise ConversationError(f"messages[{i}]: a tool message must follow an assistant turn")
+                j = i
+                while j < len(messages) and messages[j].role == "tool":
+                    j += 1
+                # The turn's results share one user message, ending in the next turn's forced <reason>.
+                segments.append((self.tool_response_text([t.content for t in messages[i:j]]), False))
+                i = j - 1
+            elif m.role == "user":
+                if previous != "assistant":
+                    raise ConversationError(f"messages[{i}]: a user message must follow an assistant turn")
+                segments.append((f"{IM_START}user\n{m.content}{IM_END}\n", False))
             else:
-                raise ValueError(f"sft_segments: message {i} has unsupported role {role!r}")
-            previous = role
+                raise ConversationError(f"messages[{i}]: a {m.role} message after the start; the rstar2 template "
+                                        f"has one system prompt of its own")
+            previous, i = m.role, i + 1
         return segments

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 import ml_collections
 
+from rstar_jax.agent.conversation import CONVERSATION_TEMPLATES
 from rstar_jax.agent.reward import SCORER_MODES
 from rstar_jax.agent.template import TEMPLATE_STYLES
 from rstar_jax.data.synthetic import BEHAVIOURS, GENERATORS
@@ -535,7 +536,17 @@ def _check_values(check: Checker) -> None:
     if check.positive_int("sft.max_length") and model is not None:
         check.require(config.sft.max_length <= model.max_position_embeddings, "sft.max_length",
                       f"exceeds the model's max_position_embeddings {model.max_position_embeddings}")
-    check.strings("sft.train_files")
+    sft_files = check.strings("sft.train_files")
+    templates = check.strings("sft.templates")
+    check.require(all(t in CONVERSATION_TEMPLATES for t in templates), "sft.templates",
+                  f"each must be one of {CONVERSATION_TEMPLATES}, got {templates!r}")
+    if config.data.synthetic.enabled:
+        check.require(templates == ("rstar2",), "sft.templates",
+                      f"synthetic conversations are rStar2 tool-use data: ('rstar2',), got {templates!r}")
+    else:
+        check.require(len(templates) in (1, len(sft_files)), "sft.templates",
+                      f"one template for all files or one per file ({len(sft_files)} in sft.train_files), "
+                      f"got {len(templates)}")
 
     # Sandbox, checkpoints, evaluation, filter_hard.
     s = config.sandbox

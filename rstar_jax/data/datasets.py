@@ -26,6 +26,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from rstar_jax.agent.conversation import Conversation, ConversationError, parse_conversation
 from rstar_jax.errors import UserError
 
 FORMATS = ("json", "jsonl", "parquet")
@@ -230,6 +231,31 @@ def load_examples(files: Sequence[str | pathlib.Path], *, fmt: str = "auto", que
     return examples, report
 
 
+def filter_overlong_prompts(examples: Sequence[Example], prompt_length, max_length: int, report: LoadReport, *,
+                            skip: bool = True) -> list[Example]:
+    """Examples whose prompt (`prompt_length(question)` tokens, chat template included) fits
+    `max_length`. skip: the rest are dropped and counted in `report` as "overlong_prompt" (the
+    release's filter_overlong_prompts); otherwise the first is a DataError naming its row."""
+    kept = []
+    for example in examples:
+        n = prompt_length(example.question)
+        if n <= max_length:
+            kept.append(example)
+            continue
+        message = f"the prompt has {n} tokens, more than rollout.max_prompt_length={max_length}"
+        if not skip:
+            raise DataError(f"{example.source} row {example.row}: {message} (set data.filter_overlong_prompts=True "
+                            f"to drop such prompts)")
+        report.skipped["overlong_prompt"] = report.skipped.get("overlong_prompt", 0) + 1
+        if len(report.examples_of_skipped) < 10:
+            report.examples_of_skipped.append(f"{example.source} row {example.row}: {message}")
+    report.rows_kept -= len(examples) - len(kept)
+    if not kept:
+        raise DataError(f"every one of the {len(examples)} prompts is longer than rollout.max_prompt_length="
+                        f"{max_length} tokens")
+    return kept
+
+
 class _EpochShuffled(Sequence):
     """Random access to the concatenation of epochs, each an independent seeded permutation.
 
@@ -315,24 +341,34 @@ class PromptIterator:
         self._iterator.set_state(state["iterator"])
 
 
-def read_conversations(path: str | pathlib.Path) -> list[list[dict]]:
-    """SFT conversations: jsonl rows `{"messages": [{"role": ..., "content": ...}, ...]}`."""
+def read_conversations(path: str | pathlib.Path, *, fmt: str = "auto",
+                       on_bad_row: str = "error") -> tuple[list[Conversation], LoadReport]:
+    """SFT conversations: rows `{"messages": [...], "tools": [...]}` in the messages format of Hugging
+    Face chat templates and OpenAI (`rstar_jax.agent.conversation.parse_conversation`), from jsonl,
+    json or parquet. A bad row is an error naming the file, row and field, or with
+    `on_bad_row="skip"` skipped and counted."""
     path = pathlib.Path(path)
+    if on_bad_row not in ("error", "skip"):
+        raise DataError(f"on_bad_row must be 'error' or 'skip', got {on_bad_row!r}")
     if not path.is_file():
         raise DataError(f"{path}: no such file")
-    conversations = []
-    for index, row, where in _read_rows(path, "jsonl"):
-        if isinstance(row, _BadJson):
-            raise DataError(f"{path} {where}: invalid JSON ({row.error})")
-        messages = row.get("messages") if isinstance(row, dict) else None
-        if not isinstance(messages, list) or not messages:
-            raise DataError(f"{path} {where}: expected a non-empty 'messages' list")
-        for j, message in enumerate(messages):
-            if not (isinstance(message, dict) and message.get("role") in ("system", "user", "assistant", "tool")
-                    and isinstance(message.get("content"), str)):
-                raise DataError(f"{path} {where}: messages[{j}] must be {{role: system|user|assistant|tool, "
-                                f"content: str}}, got {message!r}")
-        conversations.append(messages)
-    if not conversations:
+    rows = _read_rows(path, detect_format(path, fmt))
+    if not rows:
         raise DataError(f"{path}: the file is empty (no conversations)")
-    return conversations
+    report = LoadReport(rows_read=len(rows))
+    conversations = []
+    for _, row, where in rows:
+        try:
+            if isinstance(row, _BadJson):
+                raise ConversationError(f"invalid JSON ({row.error})")
+            conversations.append(parse_conversation(row, f"{path} {where}"))
+        except ConversationError as e:
+            if on_bad_row == "error":
+                raise DataError(f"{path} {where}: {e} (set data.on_bad_row='skip' to skip such rows)") from None
+            report.skipped["bad_conversation"] = report.skipped.get("bad_conversation", 0) + 1
+            if len(report.examples_of_skipped) < 10:
+                report.examples_of_skipped.append(f"{path} {where}: {e}")
+    report.rows_kept = len(conversations)
+    if not conversations:
+        raise DataError(f"{path}: none of its {len(rows)} conversations is usable ({report.skipped})")
+    return conversations, report

@@ -29,11 +29,19 @@ import jax
 from flax import nnx
 from jax.sharding import Mesh
 
+from rstar_jax.agent.conversation import ConversationError
 from rstar_jax.agent.reward import make_scorer
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer, load_tokenizer
 from rstar_jax.agent.tool_calls import format_observation
-from rstar_jax.data.datasets import LoadReport, PromptIterator, load_examples
+from rstar_jax.data.datasets import (
+    DataError,
+    LoadReport,
+    PromptIterator,
+    filter_overlong_prompts,
+    load_examples,
+    read_conversations,
+)
 from rstar_jax.data.synthetic import prepare_synthetic_data, write_held_out
 from rstar_jax.errors import ConfigError
 from rstar_jax.evaluation.questions import Question, load_questions
@@ -48,7 +56,7 @@ from rstar_jax.rollout.sglang import SGLangGenerator
 from rstar_jax.train.checkpoint import Checkpointer, CheckpointError, PolicySource, stored_config
 from rstar_jax.train.metrics import MetricsWriter
 from rstar_jax.train.rl_batch import row_length_for
-from rstar_jax.train.sft import SftBatches, sft_sequences
+from rstar_jax.train.sft import SftBatches, SftSkips, sft_sequences
 from rstar_jax.train.weight_sync import DiskSync, EngineSync, WeightSync
 from sandbox_service.client import SandboxClient
 from sandbox_service.launcher import LocalSandbox
@@ -258,21 +266,62 @@ def questions(config, files: Sequence[str], *, field: str) -> tuple[list[Questio
                           on_bad_row=d.on_bad_row, field=field)
 
 
-def prompt_iterator(config, files: Sequence[str], *, seed: int | None = None) -> tuple[PromptIterator, LoadReport]:
+def prompt_length(tokenizer: Tokenizer, template: ChatTemplate):
+    """question -> len(template.prompt_ids(tokenizer, question)), encoding only the user turn: the
+    prompt is encoded in pieces split at special tokens (system, user, generation prompt), and the
+    system block (~500 tokens with the release's tools) is the same for every question."""
+    fixed = len(template.prompt_ids(tokenizer, "")) - len(tokenizer.encode(template.user_text("")))
+    return lambda question: fixed + len(tokenizer.encode(template.user_text(question)))
+
+
+def prompt_iterator(config, files: Sequence[str], tokenizer: Tokenizer, *,
+                    seed: int | None = None) -> tuple[PromptIterator, LoadReport]:
     """The RL prompt stream of `config.data` over `files`, shuffled with `seed` (default
-    `data.shuffle_seed`)."""
+    `data.shuffle_seed`). Prompts longer than `rollout.max_prompt_length` tokens are dropped and
+    counted (`data.filter_overlong_prompts`, as the release) or refused naming their row: one would
+    otherwise shrink its trajectories' response budget or overflow the engine."""
     d = config.data
     examples, report = load_examples(tuple(files), fmt=d.format, question_key=d.question_key,
                                      answer_key=d.answer_key, on_bad_row=d.on_bad_row)
+    examples = filter_overlong_prompts(examples, prompt_length(tokenizer, template(config)),
+                                       config.rollout.max_prompt_length, report, skip=d.filter_overlong_prompts)
+    if report.skipped.get("overlong_prompt"):
+        print(f"[data] dropped {report.skipped['overlong_prompt']} of {report.rows_read} prompts longer than "
+              f"rollout.max_prompt_length={config.rollout.max_prompt_length} tokens (data.filter_overlong_prompts)",
+              flush=True)
     return PromptIterator(examples, d.num_prompts_per_step, seed=d.shuffle_seed if seed is None else seed), report
 
 
-def sft_batches(config, tokenizer: Tokenizer, template: ChatTemplate, stages: Sequence[Sequence],
+def sft_templates(config, files: Sequence[str]) -> tuple[str, ...]:
+    """The conversation template of each SFT file: `sft.templates` has one per file, or one for all."""
+    templates = tuple(config.sft.templates)
+    return templates * len(files) if len(templates) == 1 else templates
+
+
+def sft_batches(config, tokenizer: Tokenizer, template: ChatTemplate, files: Sequence[str],
                 mesh: Mesh | None) -> SftBatches:
-    """The conversations of each stage (file), trained stage after stage. `sft.micro_batch_tokens`
-    per data-parallel shard: each micro-batch holds that many tokens on every shard."""
+    """The conversations of each file (an SFT stage), trained file after file, each rendered with its
+    `sft.templates` entry. Conversations longer than `sft.max_length` are skipped and counted.
+    `sft.micro_batch_tokens` per data-parallel shard: each micro-batch holds that many tokens on
+    every shard."""
     c = config.sft
-    sequences = sft_sequences(template, tokenizer, [conv for stage in stages for conv in stage], c.max_length)
+    stages = []
+    for path, style in zip(files, sft_templates(config, files), strict=True):
+        conversations, report = read_conversations(path, fmt=config.data.format, on_bad_row=config.data.on_bad_row)
+        skips = SftSkips()
+        try:
+            stage = sft_sequences(template, tokenizer, conversations, c.max_length, style, skips)
+        except ConversationError as e:
+            raise DataError(f"{e} (sft.templates renders this file with {style!r})") from None
+        dropped = {**report.skipped, **({"overlong": skips.overlong} if skips.overlong else {}),
+                   **({"no_assistant_tokens": skips.untrained} if skips.untrained else {})}
+        if dropped:
+            print(f"[sft] {path}: skipped {sum(dropped.values())} of {report.rows_read} conversations {dropped}, "
+                  f"e.g. {(report.examples_of_skipped + skips.examples)[:2]}", flush=True)
+        if not stage:
+            raise DataError(f"{path}: no conversation left to train on ({dropped}; sft.max_length={c.max_length})")
+        stages.append(stage)
+    sequences = [sequence for stage in stages for sequence in stage]
     row_length = row_length_for(c.max_length, 1)
     per_shard = max(1, c.micro_batch_tokens // row_length)  # one row of sft.max_length at least
     return SftBatches(sequences, conversations_per_step=min(c.batch_size, min(map(len, stages))),
@@ -286,6 +335,8 @@ def metrics_writer(config) -> MetricsWriter:
     writer = multihost.is_writer()
     return MetricsWriter(config.run_dir, tensorboard=config.metrics.tensorboard and writer,
                          jsonl=config.metrics.jsonl and writer)
+
+
 
 
 def export_hf(config, model: Qwen3, tokenizer: Tokenizer, path: str | os.PathLike) -> pathlib.Path:

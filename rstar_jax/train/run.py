@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
-from rstar_jax.data.datasets import DataError, PromptIterator, read_conversations
+from rstar_jax.data.datasets import DataError, PromptIterator
 from rstar_jax.errors import ConfigError
 from rstar_jax.train import builders
 from rstar_jax.train.checkpoint import Checkpointer, checkpoints_directory
@@ -67,8 +67,7 @@ def run_sft(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempl
     """The SFT stage (or RL's warm-up): assistant-token NLL, packed, cosine schedule, the files one
     after the other in each epoch. With a checkpointer (the `sft` mode) it saves every
     `checkpoint.every_steps` steps and at the end, and resumes from the latest save."""
-    batches = builders.sft_batches(config, tokenizer, template, [read_conversations(f) for f in conversation_files],
-                                   mesh)
+    batches = builders.sft_batches(config, tokenizer, template, conversation_files, mesh)
     total = config.sft.epochs * batches.steps_per_epoch()
     optimizer = make_optimizer(model, OptimizerConfig.for_sft(config, total))
     start = 0
@@ -99,7 +98,8 @@ class RLStart:
         return {**self.prompts.get_state(), "step_offset": self.step_offset}
 
 
-def _restore(config, model, optimizer, train_files, metrics: MetricsWriter, checkpointer: Checkpointer) -> RLStart:
+def _restore(config, model, optimizer, tokenizer: Tokenizer, train_files, metrics: MetricsWriter,
+             checkpointer: Checkpointer) -> RLStart:
     """This stage's own checkpoint continues exactly (policy, optimizer, data position, step numbers).
     Else `train.init_from` gives the previous stage's policy (and its optimizer state unless the
     recipe resets it, stage 3) and continues its run: step numbers go on from the previous stage's,
@@ -109,13 +109,13 @@ def _restore(config, model, optimizer, train_files, metrics: MetricsWriter, chec
     if checkpointer.latest_step() is not None:
         restored = checkpointer.restore(model=model, optimizer=optimizer)
         state = restored.data_state or {}
-        prompts, _ = builders.prompt_iterator(config, train_files, seed=state.get("seed", shuffle_seed))
+        prompts, _ = builders.prompt_iterator(config, train_files, tokenizer, seed=state.get("seed", shuffle_seed))
         if restored.data_state is not None:
             prompts.set_state(restored.data_state)
         metrics.discard_after(restored.step, where=is_rl_line)
         print(f"[rl] resumed from step {restored.step}", flush=True)
         return RLStart(restored.step, int(state.get("step_offset", 0)), prompts)
-    prompts, _ = builders.prompt_iterator(config, train_files)
+    prompts, _ = builders.prompt_iterator(config, train_files, tokenizer)
     if not config.train.init_from:
         return RLStart(0, 0, prompts)
     source = checkpoints_directory(config.train.init_from)
@@ -128,7 +128,7 @@ def _restore(config, model, optimizer, train_files, metrics: MetricsWriter, chec
         prompts.set_state(state, same_files=False)
     except (DataError, KeyError):  # other data: its own order, not the previous stage's seed
         prompts, _ = builders.prompt_iterator(
-            config, train_files, seed=int(np.random.SeedSequence([shuffle_seed, offset]).generate_state(1)[0]))
+            config, train_files, tokenizer, seed=int(np.random.SeedSequence([shuffle_seed, offset]).generate_state(1)[0]))
         how = "new data, shuffled afresh"
     print(f"[rl] initialised from {source} step {restored.step}"
           + (" (optimizer reset)" if config.optim.reset_at_start else "")
@@ -140,7 +140,7 @@ def run_rl(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempla
            metrics: MetricsWriter, checkpointer: Checkpointer) -> dict:
     optimizer_config = OptimizerConfig.from_config(config)
     optimizer = make_optimizer(model, optimizer_config)
-    begin = _restore(config, model, optimizer, train_files, metrics, checkpointer)
+    begin = _restore(config, model, optimizer, tokenizer, train_files, metrics, checkpointer)
     start, prompts = begin.step, begin.prompts
     settings = RLSettings.from_config(config, builders.data_parallel(mesh))
     evaluation = HeldOutEvaluation.from_config(config, tokenizer, template) if config.train.eval_every else None

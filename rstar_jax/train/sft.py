@@ -1,8 +1,10 @@
 """Supervised fine-tuning on chat conversations: loss on assistant tokens only, packed batches.
 
-Conversations are rendered with the rStar2 template (`ChatTemplate.sft_segments`): the system and
-tools block, user turns, tool responses and the forced `<reason>` are context (mask 0); assistant
-text and its closing `<|im_end|>` are trained (mask 1). The loss is the exact token-mean negative
+Conversations (the messages format, `rstar_jax.agent.conversation`) are rendered with the run's RL
+template (`ChatTemplate.sft_segments`, math tool-use data) or Qwen3's stock chat template (general
+data), chosen per file: system prompts, tools blocks, user turns, tool responses and headers are
+context (mask 0); assistant text and its closing `<|im_end|>` are trained (mask 1). Conversations
+longer than `sft.max_length` are skipped and counted. The loss is the exact token-mean negative
 log-likelihood over the global batch, computed with the chunked log-probs and the same micro-batch
 accumulation as the RL step.
 """
@@ -17,6 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rstar_jax.agent.conversation import (
+    CONVERSATION_TEMPLATES,
+    Conversation,
+    ConversationError,
+    encode_pieces,
+    encode_whole,
+    parse_conversation,
+    qwen3_segments,
+)
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
 from rstar_jax.rl.logprobs import token_logprobs
@@ -24,27 +35,61 @@ from rstar_jax.train.batching import TrainingSequence, make_micro_batches
 from rstar_jax.train.step import accumulate_grads
 
 
-def conversation_ids(template: ChatTemplate, tokenizer: Tokenizer, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
-    """Token ids of a conversation and its mask (1 on trained assistant tokens)."""
-    ids: list[int] = []
-    mask: list[int] = []
-    for text, trained in template.sft_segments(messages):
-        piece = tokenizer.encode(text)
-        ids += piece
-        mask += [int(trained)] * len(piece)
-    return ids, mask
+def conversation_ids(template: ChatTemplate, tokenizer: Tokenizer, conversation: Conversation | Sequence[dict],
+                     style: str = "rstar2") -> tuple[list[int], list[int]]:
+    """Token ids of a conversation and its mask (1 on trained assistant tokens).
+
+    style "rstar2": the run's RL template, each segment encoded on its own as the rollout loop lays
+    out a trajectory; "qwen3": Qwen3's stock chat template, one encode of the whole text (the ids of
+    `apply_chat_template`).
+    """
+    if not isinstance(conversation, Conversation):
+        conversation = parse_conversation({"messages": list(conversation)})
+    if style == "rstar2":
+        return encode_pieces(tokenizer, template.sft_segments(conversation))
+    if style == "qwen3":
+        return encode_whole(tokenizer, qwen3_segments(conversation))
+    raise ValueError(f"conversation_ids: style must be one of {CONVERSATION_TEMPLATES}, got {style!r}")
 
 
-def sft_sequences(template: ChatTemplate, tokenizer: Tokenizer, conversations: Iterable[Sequence[dict]],
-                  max_length: int) -> list[TrainingSequence]:
-    """Training sequences (the first token as the 'prompt', the rest scored where trained)."""
+@dataclasses.dataclass
+class SftSkips:
+    """Conversations left out of SFT, by reason (nothing is dropped silently)."""
+
+    overlong: int = 0  # more tokens than sft.max_length
+    untrained: int = 0  # no assistant token to train on
+    examples: list[str] = dataclasses.field(default_factory=list)  # the first few, "where: why"
+
+    def add(self, reason: str, where: str, why: str) -> None:
+        setattr(self, reason, getattr(self, reason) + 1)
+        if len(self.examples) < 5:
+            self.examples.append(f"{where}: {why}")
+
+    @property
+    def total(self) -> int:
+        return self.overlong + self.untrained
+
+
+def sft_sequences(template: ChatTemplate, tokenizer: Tokenizer, conversations: Iterable[Conversation | Sequence[dict]],
+                  max_length: int, style: str = "rstar2",
+                  skips: SftSkips | None = None) -> list[TrainingSequence]:
+    """Training sequences (the first token as the 'prompt', the rest scored where trained).
+    Conversations longer than `max_length` tokens or with nothing to train are skipped and counted
+    in `skips`; a ConversationError (the template cannot render one) names it."""
+    skips = skips if skips is not None else SftSkips()
     out = []
-    for i, messages in enumerate(conversations):
-        ids, mask = conversation_ids(template, tokenizer, messages)
+    for i, conversation in enumerate(conversations):
+        where = getattr(conversation, "source", "") or f"conversation {i}"
+        try:
+            ids, mask = conversation_ids(template, tokenizer, conversation, style)
+        except ConversationError as e:
+            raise ConversationError(f"{where}: {e}") from None
         if len(ids) > max_length:
-            raise ValueError(f"sft: conversation {i} has {len(ids)} tokens, more than sft.max_length={max_length}")
-        if sum(mask) == 0:
-            raise ValueError(f"sft: conversation {i} has no assistant tokens to train on")
+            skips.add("overlong", where, f"{len(ids)} tokens, more than sft.max_length={max_length}")
+            continue
+        if sum(mask[1:]) == 0:
+            skips.add("untrained", where, "no assistant tokens to train on")
+            continue
         out.append(TrainingSequence(prompt_ids=ids[:1], response_ids=ids[1:], loss_mask=mask[1:], advantage=1.0))
     return out
 
