@@ -320,6 +320,10 @@ def test_generation_stops_on_the_models_eos_set(tmp_path):
     assert HFTokenizer(tmp_path).stop_ids == (im_end, endoftext)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, 3, endoftext]}))
     assert HFTokenizer(tmp_path).stop_ids == (im_end, 3, endoftext)
+    # A transformers-made tiny model keeps Qwen's default eos 151643, which this vocabulary lacks.
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, 151643]}))
+    assert HFTokenizer(tmp_path).stop_ids == (im_end, endoftext)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, 3, endoftext]}))
     assert ByteTokenizer().stop_ids == (258, 256)
     # The model directory's generation config counts when the tokenizer files live elsewhere.
     tokenizer_dir = tmp_path / "tokenizer"

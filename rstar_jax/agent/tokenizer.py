@@ -8,10 +8,13 @@ tokens are recognised as whole strings when encoding.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pathlib
 import re
 from typing import Protocol, Sequence
+
+log = logging.getLogger(__name__)
 
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -124,8 +127,8 @@ class HFTokenizer:
     """A Hugging Face `tokenizer.json` through the `tokenizers` library (no transformers needed).
 
     generation_config: the model's `generation_config.json` (or its directory); its `eos_token_id`
-    (an id or a list) joins `<|im_end|>` in `stop_ids`. None: the one beside the tokenizer, if any;
-    without one the stop set is `<|im_end|>` and `<|endoftext|>`.
+    (an id or a list) joins `<|im_end|>` and `<|endoftext|>` in `stop_ids`. None: the one beside the
+    tokenizer, if any.
     """
 
     def __init__(self, path: str | os.PathLike, generation_config: str | os.PathLike | None = None):
@@ -143,11 +146,16 @@ class HFTokenizer:
         pad = self._tok.token_to_id(ENDOFTEXT)
         self.pad_id = pad if pad is not None else self.eos_id
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        eos = _generation_eos(file.parent if generation_config is None else pathlib.Path(generation_config),
-                              required=generation_config is not None)
-        if eos is None:
-            eos = [pad] if pad is not None else []
-        self.stop_ids = tuple(dict.fromkeys([self.eos_id, *eos]))
+        source = file.parent if generation_config is None else pathlib.Path(generation_config)
+        eos = _generation_eos(source, required=generation_config is not None) or []
+        # An eos id no token of this vocabulary has (a transformers-made tiny model keeps Qwen's
+        # default 151643) is never a token the model's text can end with: left out, and said.
+        unknown = [i for i in eos if i >= self.vocab_size]
+        if unknown:
+            log.warning("%s: eos_token_id %s outside the tokenizer's %d tokens; stopping on the others",
+                        source, unknown, self.vocab_size)
+        self.stop_ids = tuple(dict.fromkeys([self.eos_id, *(i for i in eos if i < self.vocab_size),
+                                             *([pad] if pad is not None else [])]))
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
