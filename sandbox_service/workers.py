@@ -746,6 +746,12 @@ def _preload(flavour: str) -> list[str]:
     return missing
 
 
+def hidden_by_private_tmp() -> list[str]:
+    """The interpreter's module directories that lie under /tmp: calls get a private /tmp (their
+    working directory), so these are out of their sight."""
+    return sorted({p for p in sys.path if p and os.path.realpath(p).startswith("/tmp/") and os.path.isdir(p)})
+
+
 def _warm_up_sci(missing: list[str]) -> None:
     """Runs typical tool-call operations once, so that the modules sympy and math-verify import
     lazily, and their caches, are already in the zygote (a call pays ~10 ms instead of ~60-300 ms)."""
@@ -815,6 +821,11 @@ def main(argv=None) -> None:
     report = isolation.IsolationReport()
     if missing:
         report.warnings.append(f"modules not available for pre-import: {', '.join(missing)}")
+    hidden = hidden_by_private_tmp()
+    if hidden:
+        report.warnings.append(f"{', '.join(hidden)} under /tmp, which every call sees as its own empty tmpfs: a "
+                               f"call cannot import packages from there unless its worker pre-imported them "
+                               f"(cold_imports calls fail); install the environment outside /tmp")
     new_pid_ns = False
     if args.isolation == "auto":
         new_pid_ns = isolation.enter_namespaces(report)
