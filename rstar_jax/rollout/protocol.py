@@ -66,13 +66,15 @@ class GenerateResult:
 
 @dataclasses.dataclass(frozen=True)
 class Capacity:
-    """KV-cache capacity of one generator, in tokens."""
+    """KV-cache capacity of one generator, in tokens, summed over its data-parallel ranks (each
+    SGLang DP rank has its own pool of max_total_num_tokens; one request lives on one rank)."""
 
-    total_tokens: int  # SGLang's max_total_num_tokens
-    used_tokens: int = 0
+    total_tokens: int  # sum over ranks of SGLang's max_total_num_tokens
+    used_tokens: int = 0  # sum over ranks
     running_requests: int = 0
     queued_requests: int = 0
     retracted_requests: int = 0  # queued requests holding partial output after a retraction
+    ranks: int = 1  # DP ranks the totals cover; total_tokens // ranks is the most one request can use
 
 
 @runtime_checkable

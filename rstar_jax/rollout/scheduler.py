@@ -5,7 +5,7 @@ trajectory reserves its worst-case KV footprint (context + remaining response bu
 generator for its whole life; it is admitted on the generator with the most free budget when it
 fits there, and otherwise waits in a FIFO queue that is refilled as soon as a reservation is released.
 The ledger is the primary signal; `reconcile()` corrects it with what the generators report
-(`capacity()`, i.e. `/get_server_info` and `/v1/loads` for SGLang servers).
+(`capacity()`, i.e. `/get_server_info` and `/v1/loads` or `/get_load` for SGLang servers).
 
 `RoundRobinScheduler` assigns trajectories to generators in turn with no admission control, the
 static policy the dynamic one is compared with.
@@ -37,7 +37,7 @@ class _Waiter:
 class GeneratorLedger:
     """The scheduler's view of one generator, in tokens."""
 
-    capacity: int  # C_s: the generator's KV pool (max_total_num_tokens)
+    capacity: int  # C_s: the generator's KV pool (max_total_num_tokens summed over its DP ranks)
     reserved: int = 0  # R_s: sum of the live leases' reservations
     reported_used: int = 0  # what the generator last reported in use (reconcile)
     leases: int = 0

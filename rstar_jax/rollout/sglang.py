@@ -6,9 +6,22 @@ max_new_tokens (SGLang otherwise takes them from the model's generation_config),
 `meta_info.finish_reason`. An aborted request comes back as a normal result with finish reason
 "abort" and its partial tokens; the caller decides whether to resume it.
 
-Control plane: `server_info`, `loads`, `flush_cache`, `pause`, `resume`, `update_weights_from_disk`,
-`weight_version`, `abort_all`. The trainer's weight sync (`rstar_jax.train.weight_sync.DiskSync`)
-exports Hugging Face safetensors and makes every server load them through this client.
+Control plane: `server_info`, `loads`, `capacity`, `flush_cache`, `pause`, `resume`,
+`update_weights_from_disk`, `weight_version`, `abort_all`, `health` and `wait_ready`. The trainer's
+weight sync (`rstar_jax.train.weight_sync.DiskSync`) exports Hugging Face safetensors and makes every
+server load them through this client, once the server has answered `/health_generate`.
+
+SGLang 0.5.x versions differ; each client detects its server once and remembers the outcome:
+- Load: `GET /v1/loads?include=core` (2026 builds, one snapshot per DP rank), else `GET /get_load`
+  (late-2025 builds: a list of `{dp_rank, num_reqs, num_waiting_reqs, num_tokens}`), else only
+  `/get_server_info` (no usage; zero is assumed). A 404/405 marks a route absent.
+- Capacity: the KV pool is per DP rank, so `capacity().total_tokens` sums every rank's
+  `max_total_num_tokens` (from its snapshot, else `/get_server_info`'s value times `dp_size`) and
+  `used_tokens` sums every rank's use.
+- Pause: 2026 builds take `{"mode": ...}`; late-2025 builds take no body and only abort. A server that
+  refuses the body (4xx) is asked again without one for mode "abort"; other modes then raise.
+- Seeded sampling: SGLang honours `sampling_seed` only with `--enable-deterministic-inference`; the
+  first seeded request logs a warning (once per server) when `/get_server_info` shows it off.
 
 Errors: connection failures and HTTP 502/503/504 are retried a bounded number of times with
 exponential backoff, then raise `SGLangError` naming the server, endpoint and last error; HTTP 4xx
@@ -32,6 +45,10 @@ log = logging.getLogger(__name__)
 
 RID_HEX_DIGITS = 16  # fixed width: SGLang aborts by rid prefix, so no rid may prefix another
 RETRY_STATUSES = (502, 503, 504)
+ABSENT_STATUSES = (404, 405)  # a route this server version does not have
+BODY_REJECTED_STATUSES = (400, 415, 422)  # a handler that takes no (or another) body
+LOAD_ROUTES = ("/v1/loads?include=core", "/get_load", "/get_server_info")
+_warned_nondeterministic: set[str] = set()  # servers already warned about (once per process)
 
 
 class SGLangError(RuntimeError):
@@ -116,7 +133,11 @@ class SGLangGenerator:
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
         self._version = 0
-        self._capacity_tokens: int | None = None
+        self._info: dict | None = None  # /get_server_info, cached: server arguments do not change
+        self._load_route: str | None = None  # the first of LOAD_ROUTES this server answers
+        self._pause_body: bool | None = None  # whether /pause_generation accepts {"mode": ...}
+        self._determinism_checked = False
+        self.ready = False  # set once /health_generate answered 200
 
     # -- session / transport ------------------------------------------------------------------
     async def __aenter__(self) -> "SGLangGenerator":
@@ -178,6 +199,8 @@ class SGLangGenerator:
         ids = [int(t) for t in input_ids]
         if not ids:
             raise ValueError("generate: input_ids must be non-empty")
+        if sampling.seed is not None and not self._determinism_checked:
+            await self._check_determinism()
         payload = {"input_ids": ids, "sampling_params": sampling_payload(sampling), "return_logprob": True,
                    "logprob_start_len": -1, "rid": rid or new_rid(), "stream": False}
         # Not idempotent: a request the server accepted may already be running, so only failures to
@@ -201,40 +224,117 @@ class SGLangGenerator:
         await self._request("POST", "/abort_request", {"rid": "", "abort_all": True})
 
     async def capacity(self) -> Capacity:
-        """KV pool size from /get_server_info (cached) and current use from /v1/loads."""
-        if self._capacity_tokens is None:
-            info = await self.server_info()
-            self._capacity_tokens = int(info["max_total_num_tokens"])
+        """KV capacity and use summed over the server's DP ranks (each rank has its own pool)."""
+        info = await self._cached_info()
         loads = await self.loads()
+        rank_total = int(info["max_total_num_tokens"])
+        if not loads:  # only /get_server_info: no usage known
+            ranks = max(1, int(info.get("dp_size") or 1))
+            return Capacity(total_tokens=rank_total * ranks, ranks=ranks)
         return Capacity(
-            total_tokens=self._capacity_tokens,
-            used_tokens=sum(int(r.get("num_used_tokens", 0)) for r in loads),
-            running_requests=sum(int(r.get("num_running_reqs", 0)) for r in loads),
-            queued_requests=sum(int(r.get("num_waiting_reqs", 0)) for r in loads))
+            total_tokens=sum(int(r.get("max_total_num_tokens") or rank_total) for r in loads),
+            used_tokens=sum(int(r.get("num_used_tokens") or 0) for r in loads),
+            running_requests=sum(int(r.get("num_running_reqs") or 0) for r in loads),
+            queued_requests=sum(int(r.get("num_waiting_reqs") or 0) for r in loads),
+            ranks=len(loads))
 
     # -- control plane ------------------------------------------------------------------------
     async def server_info(self) -> dict:
         _, body = await self._request("GET", "/get_server_info")
         if not isinstance(body, dict) or "max_total_num_tokens" not in body:
             raise SGLangError(f"{self.base_url}/get_server_info: no max_total_num_tokens in {str(body)[:200]}")
+        self._info = body
         return body
 
+    async def _cached_info(self) -> dict:
+        return self._info if self._info is not None else await self.server_info()
+
     async def loads(self) -> list[dict]:
-        """Per-DP-rank load snapshots; accepts a bare list or a {"loads": [...]} envelope."""
-        _, body = await self._request("GET", "/v1/loads?include=core")
-        if isinstance(body, dict):
-            body = body.get("loads", [body])
-        if not isinstance(body, list):
-            raise SGLangError(f"{self.base_url}/v1/loads: unexpected response {str(body)[:200]}")
-        return body
+        """Per-DP-rank load rows, each with at least `dp_rank`, `num_used_tokens`, `num_running_reqs`
+        and `num_waiting_reqs` (plus whatever else the server sent). Empty when the server has no
+        load route (only /get_server_info). Accepts a bare list or a {"loads": [...]} envelope."""
+        routes = LOAD_ROUTES if self._load_route is None else (self._load_route,)
+        for route in routes:
+            if route == "/get_server_info":
+                self._load_route = route
+                return []
+            status, body = await self._request("GET", route, ok_statuses=(200, *ABSENT_STATUSES))
+            if status in ABSENT_STATUSES:
+                if self._load_route is not None:
+                    raise SGLangError(f"{self.base_url}{route}: answered HTTP {status} after it had worked")
+                continue
+            if isinstance(body, dict):
+                body = body.get("loads", [body])
+            if not isinstance(body, list) or not all(isinstance(r, dict) for r in body):
+                raise SGLangError(f"{self.base_url}{route}: unexpected response {str(body)[:200]}")
+            if self._load_route is None:
+                log.info("%s: load route %s", self.base_url, route)
+                self._load_route = route
+            if route == "/get_load":
+                body = [self._from_get_load(r) for r in body]
+            return body
+        raise AssertionError("unreachable: /get_server_info ends LOAD_ROUTES")
+
+    def _from_get_load(self, row: dict) -> dict:
+        """A late-2025 /get_load row in /v1/loads terms. `num_tokens` (KV in use plus queued
+        prompt tokens) is the used-token signal; builds counting pages report `num_pages`."""
+        if "num_tokens" in row:
+            used = int(row["num_tokens"] or 0)
+        else:
+            used = int(row.get("num_pages") or 0) * int((self._info or {}).get("page_size") or 1)
+        return {**row, "num_used_tokens": used, "num_running_reqs": int(row.get("num_reqs") or 0),
+                "num_waiting_reqs": int(row.get("num_waiting_reqs") or 0)}
+
+    async def _check_determinism(self) -> None:
+        """Warns once per server when seeded sampling meets a server that ignores the seed."""
+        self._determinism_checked = True
+        try:
+            info = await self._cached_info()
+        except SGLangError as e:  # the request itself will report an unreachable server
+            self._determinism_checked = False
+            log.debug("%s: determinism check skipped: %s", self.base_url, e)
+            return
+        if not info.get("enable_deterministic_inference") and self.base_url not in _warned_nondeterministic:
+            _warned_nondeterministic.add(self.base_url)
+            log.warning("%s: seeded sampling requested, but /get_server_info shows enable_deterministic_inference "
+                        "off; SGLang ignores sampling_seed without --enable-deterministic-inference, so draws "
+                        "will not repeat", self.base_url)
 
     async def health(self) -> bool:
         """True when the server completes a generation (/health_generate answers 200)."""
+        ok, _ = await self._probe_health()
+        return ok
+
+    async def _probe_health(self) -> tuple[bool, str]:
         try:
-            status, _ = await self._request("GET", "/health_generate", retry=False, ok_statuses=(200, 503))
-        except SGLangError:
-            return False
-        return status == 200
+            status, body = await self._request("GET", "/health_generate", retry=False, ok_statuses=(200, 503))
+        except SGLangError as e:
+            return False, str(e)
+        if status == 200:
+            self.ready = True
+        return status == 200, f"HTTP {status}: {_error_message(body)}"
+
+    async def wait_ready(self, timeout_s: float = 900.0, interval_s: float = 1.0, max_interval_s: float = 10.0) -> None:
+        """Polls /health_generate until it answers 200 (a large model loads for minutes), with the
+        interval doubling up to `max_interval_s`; raises SGLangError after `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline, delay, probes = start + timeout_s, interval_s, 0
+        while True:
+            probes += 1
+            try:
+                ok, detail = await asyncio.wait_for(self._probe_health(), max(0.01, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                ok, detail = False, "probe timed out"
+            if ok:
+                return
+            left = deadline - loop.time()
+            if left <= 0:
+                raise SGLangError(f"{self.base_url}/health_generate: server not ready after waiting "
+                                  f"{loop.time() - start:.1f} s (timeout {timeout_s:g} s, {probes} probes); "
+                                  f"last answer: {detail}")
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, max_interval_s)
 
     async def flush_cache(self, *, attempts: int = 20, interval_s: float = 0.5) -> None:
         """Flushes the prefix cache; SGLang refuses (400) while requests run, so this retries."""
@@ -247,8 +347,30 @@ class SGLangGenerator:
 
     async def pause(self, mode: str = "abort") -> None:
         """Pauses generation; new requests wait. "abort": running requests return partial output;
-        "retract": they go back to the queue and are recomputed after `resume`; "in_place": they freeze."""
-        await self._request("POST", "/pause_generation", {"mode": mode})
+        "retract": they go back to the queue and are recomputed after `resume`; "in_place": they freeze.
+
+        Late-2025 builds take no body and only abort: a server that refuses the body is asked again
+        without one (mode "abort" only). Their handler may also ignore a body, so a mode other than
+        "abort" is refused on servers without /v1/loads (the 2026 route set that has pause modes)."""
+        if mode != "abort":
+            await self.loads()  # detects the route set once
+            if self._pause_body is False or self._load_route != LOAD_ROUTES[0]:
+                raise SGLangError(f"{self.base_url}/pause_generation: this server (no /v1/loads, a pre-2026 "
+                                  f"build) does not support pause mode {mode!r}; only 'abort'")
+        if self._pause_body is False:
+            await self._request("POST", "/pause_generation")
+            return
+        status, body = await self._request("POST", "/pause_generation", {"mode": mode},
+                                           ok_statuses=(200, *BODY_REJECTED_STATUSES))
+        if status == 200:
+            self._pause_body = True
+            return
+        if mode != "abort":
+            raise SGLangError(f"{self.base_url}/pause_generation: HTTP {status} to mode {mode!r}; this server does "
+                              f"not support pause modes: {_error_message(body)}")
+        await self._request("POST", "/pause_generation")
+        self._pause_body = False
+        log.info("%s: /pause_generation takes no body (older SGLang); pausing in abort mode", self.base_url)
 
     async def resume(self) -> None:
         await self._request("POST", "/continue_generation", {})

@@ -483,4 +483,4 @@ def weight_sync(config, resources: RolloutResources) -> WeightSync:
     if resources.engine is not None:
         return EngineSync(resources.engine)
     return DiskSync(resources.generators, pathlib.Path(config.run_dir) / "weights_sync", mode="wait",
-                    dtype=config.checkpoint.export_dtype or None)
+                    dtype=config.checkpoint.export_dtype or None, ready_timeout_s=config.rollout.ready_timeout_s)

@@ -55,29 +55,32 @@ class DiskSync:
 
     mode "wait": servers let running requests finish on the old weights first; "abort":
     `abort_all_requests` (running requests return partial output with finish reason "abort");
-    "pause": pause (abort mode), update, continue.
+    "pause": pause (abort mode), update, continue. A server not yet seen ready is first waited for
+    (`/health_generate`, up to `ready_timeout_s`): the first sync may come while it still loads.
     """
 
     def __init__(self, generators: Sequence[SGLangGenerator], directory: str | os.PathLike, *, mode: str = "wait",
-                 dtype=None):
+                 dtype=None, ready_timeout_s: float = 900.0):
         if mode not in DISK_SYNC_MODES:
             raise ValueError(f"DiskSync: mode must be one of {DISK_SYNC_MODES}, got {mode!r}")
         self.generators = list(generators)
         self.directory = pathlib.Path(directory)
         self.mode = mode
         self.dtype = dtype
+        self.ready_timeout_s = ready_timeout_s
         self.version = 0
 
     async def push(self, model, version: int) -> None:
         await sync_weights_via_disk(model, self.generators, self.directory, version=version, mode=self.mode,
-                                    dtype=self.dtype)
+                                    dtype=self.dtype, ready_timeout_s=self.ready_timeout_s)
         self.version = version
 
 
 async def sync_weights_via_disk(model, generators: Sequence[SGLangGenerator], directory: str | os.PathLike, *,
-                                version: int, mode: str = "abort", dtype=None) -> str:
+                                version: int, mode: str = "abort", dtype=None, ready_timeout_s: float = 900.0) -> str:
     """Exports `model` as HF safetensors into `directory` and loads it on every server (see
-    `DiskSync` for the modes). Every server reports `version` afterwards. Returns the directory."""
+    `DiskSync` for the modes), after waiting for any server not yet seen ready. Every server reports
+    `version` afterwards. Returns the directory."""
     if mode not in DISK_SYNC_MODES:
         raise ValueError(f"sync_weights_via_disk: mode must be one of {DISK_SYNC_MODES}, got {mode!r}")
     # Every process takes part in the export's gathers (one writes). Under several processes the
@@ -92,6 +95,9 @@ async def sync_weights_via_disk(model, generators: Sequence[SGLangGenerator], di
         path = await asyncio.to_thread(save_pretrained, model, directory, dtype=dtype)
 
     async def one(gen: SGLangGenerator):
+        # The update is sent once (not idempotent): a server still loading must not receive it.
+        if not gen.ready:
+            await gen.wait_ready(ready_timeout_s)
         if mode == "pause":
             await gen.pause("abort")
             try:

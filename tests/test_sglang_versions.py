@@ -1,0 +1,340 @@
+"""SGLangGenerator against stand-ins for two SGLang 0.5.x server generations.
+
+"late-2025": the route set of sgl-project/sglang `http_server.py` @0025436e: no `/v1/loads`;
+`/get_load` returns a bare JSON list of `GetLoadReqOutput` (`dp_rank, num_reqs, num_waiting_reqs,
+num_tokens`, plus the `BaseReq` fields `rid`/`http_worker_ipc` as null); `/pause_generation` and
+`/continue_generation` read no body (a body is ignored, always abort); `/get_server_info` is ServerArgs
++ scheduler info (`max_total_num_tokens` of one DP rank) + `internal_states`, with no
+`enable_deterministic_inference` field; `/health_generate` answers 503 while starting.
+"2026": `/v1/loads` (PR #16976) with one core snapshot per DP rank in a `{"loads": [...]}` envelope,
+`/pause_generation` taking `{"mode": ...}` (PR #10071).
+All servers listen on 127.0.0.1 only.
+"""
+
+import asyncio
+import logging
+import time
+
+import pytest
+from aiohttp import web
+
+from rstar_jax.agent.tokenizer import IM_END, ByteTokenizer
+from rstar_jax.rollout import sglang as sglang_module
+from rstar_jax.rollout.loop import LoopConfig, run_trajectory
+from rstar_jax.rollout.protocol import SamplingParams
+from rstar_jax.rollout.scheduler import KvScheduler
+from rstar_jax.rollout.sglang import SGLangError, SGLangGenerator
+
+TOK = ByteTokenizer()
+ANSWER = TOK.encode("The answer is \\boxed{42}" + IM_END)
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class StandIn:
+    """One stand-in server; `version` is "late-2025" or "2026"."""
+
+    def __init__(self, version, *, dp=2, rank_tokens=2048, starting_probes=0, deterministic=None,
+                 pause_rejects_body=False):
+        self.version, self.dp, self.rank_tokens = version, dp, rank_tokens
+        self.starting_probes = starting_probes  # /health_generate answers 503 this many times
+        self.deterministic = deterministic  # None: the field is absent (late 2025)
+        self.pause_rejects_body = pause_rejects_body
+        self.calls = []  # (route, body)
+        self.ready_at = None
+        self.in_flight = [0] * dp  # tokens held per rank by running requests
+        self.peak_total = 0
+        self.paused = False
+        self.weight_version = "0"
+        self.next_rank = 0
+        self.url = None
+        self.runner = None
+
+    def app(self):
+        app = web.Application()
+        r = app.router
+        r.add_get("/health_generate", self.health_generate)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_get("/get_load", self.get_load)
+        r.add_post("/generate", self.generate)
+        r.add_post("/pause_generation", self.pause)
+        r.add_post("/continue_generation", self.resume)
+        r.add_post("/update_weights_from_disk", self.update_weights)
+        r.add_get("/get_weight_version", self.get_weight_version)
+        if self.version == "2026":
+            r.add_get("/v1/loads", self.v1_loads)
+        return app
+
+    async def start(self):
+        self.runner = web.AppRunner(self.app())
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        return self
+
+    async def stop(self):
+        await self.runner.cleanup()
+
+    async def health_generate(self, request):
+        self.calls.append(("/health_generate", None))
+        if self.starting_probes > 0:
+            self.starting_probes -= 1
+            return web.Response(status=503)
+        if self.ready_at is None:
+            self.ready_at = time.monotonic()
+        return web.Response(status=200)
+
+    async def server_info(self, request):
+        self.calls.append(("/get_server_info", None))
+        info = {"model_path": "m", "tp_size": 1, "dp_size": self.dp, "page_size": 1, "context_length": 4096,
+                "max_total_num_tokens": self.rank_tokens, "max_req_input_len": 4095,
+                "internal_states": [{"memory_usage": {"token_capacity": self.rank_tokens}}
+                                    for _ in range(self.dp)],
+                "version": "0.5.4" if self.version == "late-2025" else "0.5.9"}
+        if self.deterministic is not None:
+            info["enable_deterministic_inference"] = self.deterministic
+        return web.json_response(info)
+
+    async def get_load(self, request):
+        self.calls.append(("/get_load", None))
+        return web.json_response([{"rid": None, "http_worker_ipc": None, "dp_rank": i, "num_reqs": int(used > 0),
+                                   "num_waiting_reqs": 0, "num_tokens": used} for i, used in enumerate(self.in_flight)])
+
+    async def v1_loads(self, request):
+        self.calls.append(("/v1/loads", request.query.get("include")))
+        return web.json_response({"loads": [
+            {"dp_rank": i, "num_running_reqs": int(used > 0), "num_waiting_reqs": 0, "num_waiting_uncached_tokens": 0,
+             "num_used_tokens": used, "num_total_tokens": self.rank_tokens, "max_total_num_tokens": self.rank_tokens,
+             "max_running_requests": 64, "token_usage": used / self.rank_tokens, "gen_throughput": 0.0,
+             "cache_hit_rate": 0.0, "utilization": 0.0} for i, used in enumerate(self.in_flight)]})
+
+    async def generate(self, request):
+        body = await request.json()
+        self.calls.append(("/generate", body))
+        rank = self.next_rank % self.dp
+        self.next_rank += 1
+        ids = ANSWER[:body["sampling_params"]["max_new_tokens"]]
+        held = len(body["input_ids"]) + len(ids)
+        self.in_flight[rank] += held
+        self.peak_total = max(self.peak_total, sum(self.in_flight))
+        await asyncio.sleep(0.01)
+        self.in_flight[rank] -= held
+        finish = {"type": "stop", "matched": ids[-1]} if ids == ANSWER else {"type": "length", "length": len(ids)}
+        return web.json_response({"output_ids": ids, "meta_info": {
+            "id": body["rid"], "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
+            "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": self.weight_version,
+            "output_token_logprobs": [[-0.5, t, None] for t in ids]}})
+
+    async def pause(self, request):
+        text = await request.text()
+        self.calls.append(("/pause_generation", text))
+        if self.version == "late-2025":
+            if text and self.pause_rejects_body:
+                return web.json_response({"detail": [{"msg": "Extra inputs are not permitted"}]}, status=422)
+            self.paused = "abort"  # the handler reads no body: always abort
+        else:
+            mode = (await request.json()).get("mode", "abort") if text else "abort"
+            if mode not in PAUSE_MODES:
+                return web.json_response({"error": {"message": f"bad mode {mode}"}}, status=400)
+            self.paused = mode
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def resume(self, request):
+        self.calls.append(("/continue_generation", None))
+        self.paused = False
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def update_weights(self, request):
+        body = await request.json()
+        self.calls.append(("/update_weights_from_disk", body))
+        if self.ready_at is None:  # a real server still loading refuses the connection
+            return web.Response(status=503)
+        self.weight_version = body.get("weight_version", self.weight_version)
+        return web.json_response({"success": True, "message": "ok", "num_paused_requests": 0})
+
+    async def get_weight_version(self, request):
+        return web.json_response({"weight_version": self.weight_version})
+
+
+def run_with(servers, body):
+    """Starts the stand-ins, runs `body(*servers)` and stops them."""
+    async def main():
+        for s in servers:
+            await s.start()
+        try:
+            return await body(*servers)
+        finally:
+            for s in servers:
+                await s.stop()
+    return asyncio.run(main())
+
+
+@pytest.fixture
+def late_2025():
+    return StandIn("late-2025")
+
+
+@pytest.fixture
+def v2026():
+    return StandIn("2026", deterministic=True)
+
+
+def routes(server):
+    return [route for route, _ in server.calls]
+
+
+def test_capacity_sums_every_dp_rank(late_2025, v2026):
+    async def body(old, new):
+        async with SGLangGenerator(old.url) as a, SGLangGenerator(new.url) as b:
+            old.in_flight[:] = [100, 50]
+            new.in_flight[:] = [10, 20]
+            first = await a.capacity(), await b.capacity()
+            second = await a.capacity(), await b.capacity()
+            return first, second
+
+    (old_cap, new_cap), again = run_with([late_2025, v2026], body)
+    assert (old_cap.total_tokens, old_cap.used_tokens, old_cap.ranks, old_cap.running_requests) == (4096, 150, 2, 2)
+    assert (new_cap.total_tokens, new_cap.used_tokens, new_cap.ranks) == (4096, 30, 2)
+    assert again == (old_cap, new_cap)
+    # Detected once: the late-2025 server got one /v1/loads probe (404), then only /get_load.
+    assert routes(late_2025).count("/get_load") == 2 and "/v1/loads" not in routes(late_2025)
+    assert routes(v2026).count("/v1/loads") == 2 and "/get_load" not in routes(v2026)
+    assert routes(late_2025).count("/get_server_info") == 1
+
+
+def test_capacity_without_any_load_route_uses_server_info():
+    class InfoOnly(StandIn):
+        def app(self):
+            app = web.Application()
+            app.router.add_get("/get_server_info", self.server_info)
+            return app
+
+    async def body(server):
+        async with SGLangGenerator(server.url) as gen:
+            return await gen.capacity(), await gen.loads()
+
+    capacity, loads = run_with([InfoOnly("late-2025", dp=4, rank_tokens=1000)], body)
+    assert (capacity.total_tokens, capacity.used_tokens, capacity.ranks) == (4000, 0, 4) and loads == []
+
+
+def test_kv_scheduled_trajectories_on_both_versions():
+    class Executor:
+        async def execute(self, code, stdin="", **kw):
+            raise AssertionError("no tool calls expected")
+
+    async def scorer(text, gold, truncated=False):
+        return float("\\boxed{42}" in text)
+
+    async def body(old, new):
+        async with SGLangGenerator(old.url) as a, SGLangGenerator(new.url) as b:
+            scheduler = KvScheduler([a, b], budget_fraction=0.9)
+            cfg = LoopConfig(max_turns=2, response_budget=600)
+            trajs = await asyncio.gather(*(run_trajectory(None, TOK, Executor(), f"Q{i}", "42", config=cfg,
+                                                          scorer=scorer, scheduler=scheduler, group_id=i)
+                                           for i in range(12)))
+            return trajs, scheduler
+
+    old, new = StandIn("late-2025", rank_tokens=4096), StandIn("2026", rank_tokens=4096)
+    trajs, scheduler = run_with([old, new], body)
+    assert all(t.reward == 1.0 for t in trajs) and len(trajs) == 12
+    # 4096 per rank x 2 ranks: a budget of 0.9 x 8192 holds two reservations of ~2.5k tokens per server.
+    assert [ledger.capacity for ledger in scheduler.ledgers] == [8192, 8192]
+    assert all(ledger.peak_reserved <= scheduler.budget(i) for i, ledger in enumerate(scheduler.ledgers))
+    assert sum(scheduler.admitted_per_generator()) == 12 and min(scheduler.admitted_per_generator()) > 0
+    assert scheduler.max_queue > 0  # admission control actually held some back
+
+
+def test_pause_on_each_version(late_2025, v2026):
+    async def body(old, new):
+        async with SGLangGenerator(old.url) as a, SGLangGenerator(new.url) as b:
+            await a.pause("abort")
+            await a.resume()
+            with pytest.raises(SGLangError, match=r"does not support pause mode 'retract'"):
+                await a.pause("retract")
+            await b.pause("retract")
+            retract = new.paused
+            await b.resume()
+            await b.pause("abort")
+            return retract
+
+    retract = run_with([late_2025, v2026], body)
+    pauses_old = [b for r, b in late_2025.calls if r == "/pause_generation"]
+    assert pauses_old == ['{"mode": "abort"}']  # accepted (and ignored) by the late-2025 handler
+    assert retract == "retract" and v2026.paused == "abort"
+
+
+def test_pause_retries_without_a_body_when_the_server_refuses_one():
+    server = StandIn("late-2025", pause_rejects_body=True)
+
+    async def body(s):
+        async with SGLangGenerator(s.url) as gen:
+            await gen.pause("abort")
+            await gen.pause("abort")  # remembered: no body, no second refusal
+            with pytest.raises(SGLangError, match=r"/pause_generation.*does not support pause mode 'in_place'"):
+                await gen.pause("in_place")
+
+    run_with([server], body)
+    assert [b for r, b in server.calls if r == "/pause_generation"] == ['{"mode": "abort"}', "", ""]
+
+
+@pytest.mark.parametrize("version", ["late-2025", "2026"])
+def test_first_weight_sync_waits_until_the_server_is_ready(version, tmp_path, monkeypatch):
+    from rstar_jax.train import weight_sync
+
+    monkeypatch.setattr(weight_sync, "save_pretrained", lambda model, directory, dtype=None: directory)
+    server = StandIn(version, starting_probes=2)
+
+    async def body(s):
+        async with SGLangGenerator(s.url, backoff_s=0.01) as gen:
+            wait_ready = gen.wait_ready
+            gen.wait_ready = lambda timeout_s: wait_ready(timeout_s, interval_s=0.01)  # fast polling here
+            sync = weight_sync.DiskSync([gen], tmp_path, mode="pause", ready_timeout_s=10)
+            await sync.push(None, 3)
+            await sync.push(None, 4)  # already seen ready: no further probe
+            return gen.version
+
+    assert run_with([server], body) == 4
+    seen = routes(server)
+    first_update = seen.index("/update_weights_from_disk")
+    assert seen[:first_update].count("/health_generate") == 3 and seen.count("/health_generate") == 3
+    assert seen.count("/update_weights_from_disk") == 2 and seen.count("/continue_generation") == 2
+
+
+def test_readiness_wait_times_out_clearly():
+    server = StandIn("2026", starting_probes=10 ** 6)
+
+    async def body(s):
+        async with SGLangGenerator(s.url) as gen:
+            t0 = time.monotonic()
+            with pytest.raises(SGLangError) as info:
+                await gen.wait_ready(timeout_s=0.3, interval_s=0.02, max_interval_s=0.05)
+            return info.value, time.monotonic() - t0, gen.ready
+
+    error, waited, ready = run_with([server], body)
+    assert f"{server.url}/health_generate: server not ready after waiting" in str(error)
+    assert "timeout 0.3 s" in str(error) and "HTTP 503" in str(error)
+    assert 0.3 <= waited < 2.0 and not ready
+
+
+def test_seeded_sampling_warns_once_when_determinism_is_off(caplog):
+    old = StandIn("late-2025")  # no enable_deterministic_inference field: off
+    off = StandIn("2026", deterministic=False)
+    on = StandIn("2026", deterministic=True)
+    seeded = SamplingParams(max_new_tokens=4, seed=7)
+
+    async def body(*servers):
+        for s in servers:
+            async with SGLangGenerator(s.url) as gen:
+                for _ in range(3):
+                    await gen.generate([1, 2], seeded)
+        async with SGLangGenerator(servers[0].url) as gen:  # a second client for the same server
+            await gen.generate([1, 2], seeded)
+            await gen.generate([1, 2], SamplingParams(max_new_tokens=4))
+
+    sglang_module._warned_nondeterministic.clear()
+    with caplog.at_level(logging.WARNING, logger="rstar_jax.rollout.sglang"):
+        run_with([old, off, on], body)
+    warnings = [r.getMessage() for r in caplog.records if "enable_deterministic_inference" in r.getMessage()]
+    assert len(warnings) == 2
+    assert warnings[0].startswith(old.url) and warnings[1].startswith(off.url)
+    assert all(body["sampling_params"]["sampling_seed"] == 7 for r, body in on.calls if r == "/generate")
