@@ -72,6 +72,15 @@ def _exit_code_of(exc: SystemExit) -> int:
     return 1
 
 
+def _tag_memory_error(exc: BaseException, meta_fd: int) -> None:
+    """Tells the zygote a MemoryError ended the program (its status is then memory_limit)."""
+    if isinstance(exc, MemoryError):
+        try:
+            os.write(meta_fd, MEMORY_ERROR_TAG)
+        except OSError:
+            pass
+
+
 def _run(code: str, meta_fd: int) -> int:
     linecache.cache[FILENAME] = (len(code), None, code.splitlines(True), FILENAME)
     try:
@@ -93,11 +102,7 @@ def _run(code: str, meta_fd: int) -> int:
     except SystemExit as e:
         return _exit_code_of(e)
     except BaseException as e:  # noqa: BLE001 - report every user failure, KeyboardInterrupt included
-        if isinstance(e, MemoryError):
-            try:
-                os.write(meta_fd, MEMORY_ERROR_TAG)
-            except OSError:
-                pass
+        _tag_memory_error(e, meta_fd)
         try:
             sys.stderr.write(_user_traceback(e))
         except MemoryError:
@@ -139,11 +144,7 @@ def _release_split(code: str) -> tuple[str, str | None]:
 
 def _release_fail(exc: BaseException, code: str, line_offset: int, meta_fd: int) -> None:
     """Reports `exc` on stderr and exits at once (no flush of stdout, no atexit), as the release does."""
-    if isinstance(exc, MemoryError):
-        try:
-            os.write(meta_fd, MEMORY_ERROR_TAG)
-        except OSError:
-            pass
+    _tag_memory_error(exc, meta_fd)
     try:
         message = release_error(exc, code, line_offset)
     except Exception:  # noqa: BLE001 - an exception whose str() fails: Python's own report instead

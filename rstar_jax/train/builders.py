@@ -209,7 +209,7 @@ def make_engine(config, model: Qwen3, mesh: Mesh | None, *, max_length: int | No
 def tokenizer(config) -> Tokenizer:
     """`tokenizer.path`, else `model.hf_path`'s files, else those of the run `train.init_from` continues.
     Generation stops on the model's EOS set: its `generation_config.json` where the model has one."""
-    previous_model, previous_tokenizer = previous_stage(config)
+    previous_model, previous_tokenizer = ("", "") if config.model.hf_path else previous_stage(config)
     path = config.tokenizer.path or config.model.hf_path or previous_tokenizer
     model_dir = config.model.hf_path or previous_model
     generation = pathlib.Path(model_dir) / "generation_config.json" if model_dir else None
