@@ -108,6 +108,12 @@ def get_config() -> ml_collections.ConfigDict:
     # Before the first step, every generator must answer /health_generate and every sandbox Info
     # within this many seconds (servers loading a 14B checkpoint take minutes).
     c.rollout.ready_timeout_s = 900.0
+    # A server that refuses connections, answers 5xx or runs one generation longer than
+    # generate_timeout_s (0: no limit) leaves the rotation, and its trajectories resume on the others
+    # from their last complete turn. A turn a server aborts (a weight update, a pause) is continued
+    # from its partial output up to max_abort_resumes times per trajectory.
+    c.rollout.generate_timeout_s = 0.0
+    c.rollout.max_abort_resumes = 8
     c.rollout.engine = ml_collections.ConfigDict()  # in-process JaxEngine
     c.rollout.engine.slots = 64  # concurrent sequences (max_running_requests)
     c.rollout.engine.max_length = 10240  # prompt + response budget

@@ -562,6 +562,8 @@ def _check_values(check: Checker) -> None:
                       "tool calls need a sandbox: list targets or set sandbox.launch_local=True")
     check.require(_is_number(config.rollout.ready_timeout_s) and config.rollout.ready_timeout_s > 0,
                   "rollout.ready_timeout_s", f"must be > 0, got {config.rollout.ready_timeout_s!r}")
+    check.require(_is_number(config.rollout.generate_timeout_s) and config.rollout.generate_timeout_s >= 0,
+                  "rollout.generate_timeout_s", f"must be >= 0 (0: no limit), got {config.rollout.generate_timeout_s!r}")
     every_ok = check.positive_int("checkpoint.every_steps")
     check.require(config.checkpoint.export_dtype in ("", *DTYPE_NAMES), "checkpoint.export_dtype",
                   f"must be '' (the model's param_dtype) or one of {DTYPE_NAMES}, got {config.checkpoint.export_dtype!r}")

@@ -5,6 +5,16 @@ with loss mask 1 and their sampler log-probs, observation ids (including the for
 the next turn) with mask 0 — and is never re-tokenized. Model and tool tokens share one response
 budget; an observation that would reach the budget is not appended and the trajectory stops, so it
 never ends on a user turn.
+
+Failures (token in, token out makes each resumption exact):
+- A generator that is unavailable (refused connection, timeout, 5xx) is taken out of the scheduler's
+  rotation and the trajectory takes a new lease, continuing from its last complete turn (the lost
+  turn's tokens were never appended).
+- A turn the generator aborts (a weight update with `abort_all_requests`, a pause, an operator's
+  abort) keeps its partial tokens and is continued on the same lease, up to `max_abort_resumes`
+  times (partial rollout): the sampled tokens carry the weight version that produced them.
+- A request the generator rejects (a 4xx, e.g. a context longer than the server's) ends the
+  trajectory as truncated, scored 0, with `finish_reason` "rejected".
 """
 
 from __future__ import annotations
@@ -30,13 +40,22 @@ from rstar_jax.agent.tool_calls import (
     parse_tool_calls,
 )
 from rstar_jax.errors import from_paths
-from rstar_jax.rollout.protocol import FINISH_ABORT, FINISH_LENGTH, Generator, SamplingParams, Scheduler
+from rstar_jax.rollout.protocol import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    Generator,
+    GeneratorUnavailable,
+    RequestRejected,
+    SamplingParams,
+    Scheduler,
+)
 from rstar_jax.rollout.tool_env import SANDBOX_OPTION_FIELDS, ToolEnv
 from rstar_jax.rollout.trajectory import (
     STOP_ABORTED,
     STOP_BUDGET,
     STOP_MAX_TURNS,
     STOP_NO_TOOL_CALL,
+    STOP_REJECTED,
     Trajectory,
 )
 
@@ -77,6 +96,9 @@ class LoopConfig:
     # so its tokens do not depend on batching or timing (reproducible runs, exact resume).
     # None: the generator's own random stream.
     seed: int | None = None
+    # A turn the generator aborts is continued from its partial output this many times per
+    # trajectory (partial rollout); the next abort ends the trajectory unscored.
+    max_abort_resumes: int = 8
 
     def __post_init__(self):
         if self.observation_style not in OBSERVATION_STYLES:
@@ -98,6 +120,8 @@ class LoopConfig:
             raise ValueError(f"LoopConfig.observation_max_chars must be >= 1, got {self.observation_max_chars}")
         if self.tool_timeout_s is not None and not self.tool_timeout_s > 0:
             raise ValueError(f"LoopConfig.tool_timeout_s must be > 0 (or None), got {self.tool_timeout_s}")
+        if self.max_abort_resumes < 0:
+            raise ValueError(f"LoopConfig.max_abort_resumes must be >= 0, got {self.max_abort_resumes}")
         if self.tool_call_parsing not in CALL_PARSING:
             raise ValueError(f"LoopConfig.tool_call_parsing must be one of {CALL_PARSING}, "
                              f"got {self.tool_call_parsing!r}")
@@ -113,7 +137,8 @@ class LoopConfig:
         paths.update({"tool_name": "rollout.tool_name", "max_calls_per_turn": "rollout.max_tool_calls_per_turn",
                       "observation_style": "rollout.observation_style",
                       "observation_max_chars": "rollout.observation_max_chars",
-                      "tool_call_parsing": "rollout.tool_call_parsing", "use_tools": "rollout.tools", "seed": "seed"})
+                      "tool_call_parsing": "rollout.tool_call_parsing", "use_tools": "rollout.tools", "seed": "seed",
+                      "max_abort_resumes": "rollout.max_abort_resumes"})
         paths.update({f"tool_{name}": path for name, path in SANDBOX_OPTION_FIELDS.items()})
         env = ToolEnv.from_config(config)
         tool = {f"tool_{name}": value for name, value in env.sandbox_options().items()}
@@ -177,7 +202,8 @@ async def run_trajectory(
     """Runs one trajectory to its end and scores it.
 
     generator: used for every turn when no scheduler is given; with a scheduler, the trajectory
-    holds one lease (prompt + response budget reserved) for its whole life. scorer: an async
+    holds one lease (prompt + response budget reserved) for its whole life, or a new one on another
+    generator each time its generator fails (see the module docstring). scorer: an async
     (model_text, gold, truncated=...) -> reward that never blocks the event loop
     (`rstar_jax.agent.reward.make_scorer`). Cancelling the task aborts the in-flight generation
     and the in-flight tool call.
@@ -186,71 +212,102 @@ async def run_trajectory(
     prompt_ids = template.prompt_ids(tokenizer, question)
     traj = Trajectory(prompt_ids=prompt_ids, group_id=group_id, sample_index=sample_index, question=question,
                       gold_answer=gold_answer)
-    rid = _new_rid()
+    trajectory_rid = _new_rid()
     seed = None if config.seed is None else trajectory_seed(config.seed, group_id, sample_index)
-    if scheduler is not None:
-        lease = scheduler.lease(rid, len(prompt_ids) + config.response_budget)
-    else:
-        if generator is None:
-            raise ValueError("run_trajectory needs a generator or a scheduler")
-        lease = contextlib.nullcontext(generator)
+    if scheduler is None and generator is None:
+        raise ValueError("run_trajectory needs a generator or a scheduler")
     model_text: list[str] = []
+    turn_ids: list[int] = []  # the current turn's sampled ids (it may span aborted requests)
     min_observation = len(template.tool_response_ids(tokenizer, ""))
-    async with lease as gen:
-        while True:
-            remaining = config.response_budget - len(traj.response_ids)
-            sampling = SamplingParams(max_new_tokens=remaining, temperature=config.temperature, top_p=config.top_p,
-                                      top_k=config.top_k, stop_token_ids=tokenizer.stop_ids, seed=seed)
-            result = await _generate(gen, prompt_ids + traj.response_ids, sampling, rid)
-            traj.response_ids += list(result.token_ids)
-            traj.loss_mask += [1] * len(result.token_ids)
-            traj.sampler_logprobs += [float(x) for x in result.logprobs]
-            traj.policy_versions += [result.weight_version] * len(result.token_ids)
-            traj.n_retractions += result.num_retractions
-            traj.n_turns += 1
-            turn_text = tokenizer.decode(result.token_ids)
-            model_text.append(turn_text)
-            if result.finish_reason == FINISH_ABORT:
-                traj.finish_reason = STOP_ABORTED
-                break
-            if result.finish_reason == FINISH_LENGTH:
-                traj.finish_reason, traj.truncated = STOP_BUDGET, True
-                break
-            # A turn that ends with EOS exactly at the budget is complete: an answer there counts, and
-            # a tool call there is stopped below because its observation cannot be appended.
-            calls = parse_tool_calls(turn_text, tool_names=(template.tool_name,), max_calls=config.max_calls_per_turn,
-                                     parsing=config.tool_call_parsing)
-            if not calls:
-                traj.finish_reason = STOP_NO_TOOL_CALL
-                break
-            if traj.n_turns >= config.max_turns or not config.use_tools:
-                traj.finish_reason = STOP_MAX_TURNS  # the turn limit: no further turn can use a result
-                break
-            if len(traj.response_ids) + min_observation >= config.response_budget:
-                # Not even an empty observation fits: stop before spending a sandbox call.
-                traj.finish_reason, traj.truncated = STOP_BUDGET, True
-                break
-            # Calls of one turn run concurrently (the release gathers them); each yields (status, text).
-            t_tools = time.perf_counter()
-            outcomes = await asyncio.gather(*(_run_call(call, executor, config) for call in calls))
-            traj.tool_seconds += time.perf_counter() - t_tools
-            for status, _ in outcomes:
-                traj.n_tool_calls += 1
-                traj.n_tool_errors += int(is_tool_error(status))
-                traj.tool_statuses.append(status)
-            observations = [text for _, text in outcomes]
-            obs_ids = template.tool_response_ids(tokenizer, observations)
-            if len(traj.response_ids) + len(obs_ids) >= config.response_budget:
-                traj.finish_reason, traj.truncated = STOP_BUDGET, True
-                break
-            traj.response_ids += obs_ids
-            traj.loss_mask += [0] * len(obs_ids)
-            traj.sampler_logprobs += [0.0] * len(obs_ids)
-            traj.policy_versions += [-1] * len(obs_ids)
+    done = False
+    while not done:
+        # One lease per generator the trajectory lives on: a failed generator leaves the rotation
+        # and the trajectory resumes on another from its last complete turn.
+        lease = (scheduler.lease(trajectory_rid, len(prompt_ids) + config.response_budget) if scheduler is not None
+                 else contextlib.nullcontext(generator))
+        async with lease as gen:
+            while True:
+                remaining = config.response_budget - len(traj.response_ids)
+                sampling = SamplingParams(max_new_tokens=remaining, temperature=config.temperature,
+                                          top_p=config.top_p, top_k=config.top_k,
+                                          stop_token_ids=tokenizer.stop_ids, seed=seed)
+                try:
+                    result = await _generate(gen, prompt_ids + traj.response_ids, sampling, _new_rid())
+                except GeneratorUnavailable as e:
+                    if scheduler is None:
+                        raise
+                    scheduler.mark_down(gen, str(e))
+                    traj.n_failovers += 1
+                    del traj.response_ids[len(traj.response_ids) - len(turn_ids):]  # the turn restarts whole
+                    for name in ("loss_mask", "sampler_logprobs", "policy_versions"):
+                        del getattr(traj, name)[len(traj.response_ids):]
+                    turn_ids = []
+                    break  # a new lease on a generator still in rotation
+                except RequestRejected as e:
+                    traj.finish_reason, traj.truncated = STOP_REJECTED, True
+                    traj.extra["error"] = str(e)
+                    log.warning("trajectory %s (group %d, sample %d): %s", trajectory_rid, group_id, sample_index, e)
+                    done = True
+                    break
+                traj.response_ids += list(result.token_ids)
+                traj.loss_mask += [1] * len(result.token_ids)
+                traj.sampler_logprobs += [float(x) for x in result.logprobs]
+                traj.policy_versions += [result.weight_version] * len(result.token_ids)
+                traj.n_retractions += result.num_retractions
+                turn_ids += list(result.token_ids)
+                if result.finish_reason == FINISH_ABORT:
+                    if traj.n_abort_resumes < config.max_abort_resumes and len(traj.response_ids) < config.response_budget:
+                        traj.n_abort_resumes += 1  # partial rollout: the turn goes on from its partial output
+                        continue
+                    traj.n_turns += 1
+                    model_text.append(tokenizer.decode(turn_ids))
+                    traj.finish_reason = STOP_ABORTED
+                    done = True
+                    break
+                traj.n_turns += 1
+                turn_text = tokenizer.decode(turn_ids)
+                model_text.append(turn_text)
+                turn_ids = []
+                done = True  # unless the turn's tool calls continue the conversation below
+                if result.finish_reason == FINISH_LENGTH:
+                    traj.finish_reason, traj.truncated = STOP_BUDGET, True
+                    break
+                # A turn that ends with EOS exactly at the budget is complete: an answer there counts, and
+                # a tool call there is stopped below because its observation cannot be appended.
+                calls = parse_tool_calls(turn_text, tool_names=(template.tool_name,),
+                                         max_calls=config.max_calls_per_turn, parsing=config.tool_call_parsing)
+                if not calls:
+                    traj.finish_reason = STOP_NO_TOOL_CALL
+                    break
+                if traj.n_turns >= config.max_turns or not config.use_tools:
+                    traj.finish_reason = STOP_MAX_TURNS  # the turn limit: no further turn can use a result
+                    break
+                if len(traj.response_ids) + min_observation >= config.response_budget:
+                    # Not even an empty observation fits: stop before spending a sandbox call.
+                    traj.finish_reason, traj.truncated = STOP_BUDGET, True
+                    break
+                # Calls of one turn run concurrently (the release gathers them); each yields (status, text).
+                t_tools = time.perf_counter()
+                outcomes = await asyncio.gather(*(_run_call(call, executor, config) for call in calls))
+                traj.tool_seconds += time.perf_counter() - t_tools
+                for status, _ in outcomes:
+                    traj.n_tool_calls += 1
+                    traj.n_tool_errors += int(is_tool_error(status))
+                    traj.tool_statuses.append(status)
+                observations = [text for _, text in outcomes]
+                obs_ids = template.tool_response_ids(tokenizer, observations)
+                if len(traj.response_ids) + len(obs_ids) >= config.response_budget:
+                    traj.finish_reason, traj.truncated = STOP_BUDGET, True
+                    break
+                traj.response_ids += obs_ids
+                traj.loss_mask += [0] * len(obs_ids)
+                traj.sampler_logprobs += [0.0] * len(obs_ids)
+                traj.policy_versions += [-1] * len(obs_ids)
+                done = False
     text = "".join(model_text)
     traj.n_answer_tags = count_answer_tags(text)
     traj.extra["model_text"] = text
-    # An aborted trajectory never finished, so like a truncated one it earns nothing.
+    # An aborted trajectory never finished, so like a truncated (or rejected) one it earns nothing.
     traj.reward = await scorer(text, gold_answer, truncated=traj.truncated or traj.finish_reason == STOP_ABORTED)
     traj.check()
     return traj

@@ -17,6 +17,20 @@ FINISH_ABORT = "abort"  # aborted by the client, a weight update or a server shu
 FINISH_REASONS = (FINISH_STOP, FINISH_LENGTH, FINISH_ABORT)
 
 
+class GeneratorError(RuntimeError):
+    """A generator could not complete a request."""
+
+
+class GeneratorUnavailable(GeneratorError):
+    """The generator cannot serve: it refused connections, timed out or answered 5xx. The scheduler
+    takes it out of rotation and the trajectory resumes on another generator from its last complete turn."""
+
+
+class RequestRejected(GeneratorError):
+    """The generator refused this request (a 4xx, e.g. a context longer than it serves). The generator
+    stays in rotation; the trajectory ends there, like a truncated one."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings; every field is always sent to SGLang (its defaults come from the model)."""
@@ -106,3 +120,7 @@ class Scheduler(Protocol):
     """
 
     def lease(self, trajectory_id: str, reserve_tokens: int) -> AsyncContextManager[Generator]: ...
+
+    def mark_down(self, generator: Generator, reason: str) -> None:
+        """Takes a failed generator out of rotation: no new lease goes to it."""
+        ...

@@ -41,6 +41,8 @@ def trajectory_record(traj: Trajectory, decode, **extra: Any) -> dict:
         "tool_statuses": list(traj.tool_statuses),
         "tool_seconds": float(traj.tool_seconds),
         "n_retractions": traj.n_retractions,
+        "n_failovers": traj.n_failovers,
+        "n_abort_resumes": traj.n_abort_resumes,
         "response_length": len(traj.response_ids),
         "num_sampled_tokens": traj.num_sampled_tokens,
         "policy_version": traj.policy_version,

@@ -9,6 +9,10 @@ The ledger is the primary signal; `reconcile()` corrects it with what the genera
 
 `RoundRobinScheduler` assigns trajectories to generators in turn with no admission control, the
 static policy the dynamic one is compared with.
+
+Both take a failed generator out of rotation (`mark_down`, called by the rollout loop when a
+generator is unavailable, or by `reconcile` when one cannot report): no lease goes to it afterwards,
+and its trajectories resume elsewhere. When none is left, leases raise `GeneratorUnavailable`.
 """
 
 from __future__ import annotations
@@ -18,10 +22,13 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import logging
 import time
 from typing import AsyncIterator, Sequence
 
-from rstar_jax.rollout.protocol import Generator
+from rstar_jax.rollout.protocol import Generator, GeneratorUnavailable
+
+log = logging.getLogger(__name__)
 
 AFFINITY_MEMORY = 65536  # placements remembered after release, for sticky re-leases
 
@@ -31,6 +38,45 @@ class _Waiter:
     trajectory_id: str
     tokens: int
     future: asyncio.Future
+
+
+class _Rotation:
+    """Which generators are in rotation; a generator taken out stays out (its reason is kept)."""
+
+    generators: list
+
+    def _init_rotation(self) -> None:
+        self.down: dict[int, str] = {}  # generator index -> why it left the rotation
+
+    def _index(self, generator: Generator) -> int:
+        for i, g in enumerate(self.generators):
+            if g is generator:
+                return i
+        raise ValueError(f"{type(self).__name__}: {getattr(generator, 'name', generator)!r} is not one of its generators")
+
+    def is_down(self, generator: Generator) -> bool:
+        return self._index(generator) in self.down
+
+    def live(self) -> list[Generator]:
+        """The generators still in rotation."""
+        return [g for i, g in enumerate(self.generators) if i not in self.down]
+
+    def mark_down(self, generator: Generator, reason: str) -> None:
+        """Takes `generator` out of rotation (idempotent); new leases go to the others."""
+        index = self._index(generator)
+        if index in self.down:
+            return
+        self.down[index] = str(reason)
+        log.warning("generator %s taken out of rotation (%d of %d left): %s", getattr(generator, "name", index),
+                    len(self.generators) - len(self.down), len(self.generators), reason)
+        self._after_down()
+
+    def _after_down(self) -> None:
+        pass
+
+    def _no_generator_left(self) -> GeneratorUnavailable:
+        reasons = "; ".join(f"{getattr(self.generators[i], 'name', i)}: {r}" for i, r in self.down.items())
+        return GeneratorUnavailable(f"every generator is out of rotation ({reasons})")
 
 
 @dataclasses.dataclass
@@ -45,7 +91,7 @@ class GeneratorLedger:
     admitted: int = 0  # trajectories placed here so far
 
 
-class KvScheduler:
+class KvScheduler(_Rotation):
     """KV-reservation admission over generators; implements `rstar_jax.rollout.protocol.Scheduler`.
 
     budget_fraction (alpha): the share of each generator's capacity that reservations may fill.
@@ -74,6 +120,7 @@ class KvScheduler:
         self._init_lock = asyncio.Lock()
         self.admitted = 0
         self.max_queue = 0
+        self._init_rotation()
 
     def admitted_per_generator(self) -> list[int]:
         """Trajectories placed on each generator so far (for load metrics)."""
@@ -101,15 +148,27 @@ class KvScheduler:
 
     async def reconcile(self) -> None:
         """Reads every generator's capacity and usage; tokens in use beyond the ledger (other
-        clients, or a smaller pool than assumed) count as occupied. Then refills from the queue."""
-        reports = await asyncio.gather(*(g.capacity() for g in self.generators))
+        clients, or a smaller pool than assumed) count as occupied. A generator that is unavailable
+        leaves the rotation. Then refills from the queue."""
+        live = [i for i in range(len(self.generators)) if i not in self.down]
+        reports = dict(zip(live, await asyncio.gather(*(self.generators[i].capacity() for i in live),
+                                                      return_exceptions=True)))
+        for i, report in reports.items():
+            if isinstance(report, GeneratorUnavailable):
+                self.down[i] = f"capacity report failed: {report}"
+                log.warning("generator %s taken out of rotation: %s", getattr(self.generators[i], "name", i),
+                            self.down[i])
+            elif isinstance(report, BaseException):
+                raise report
         if self._ledgers is None:
-            self._ledgers = [GeneratorLedger(r.total_tokens) for r in reports]
-        for ledger, report in zip(self._ledgers, reports):
-            ledger.capacity = int(report.total_tokens)
-            ledger.reported_used = int(report.used_tokens)
+            self._ledgers = [GeneratorLedger(0 if i in self.down else reports[i].total_tokens)
+                             for i in range(len(self.generators))]
+        for i, report in reports.items():
+            if i not in self.down:
+                self._ledgers[i].capacity = int(report.total_tokens)
+                self._ledgers[i].reported_used = int(report.used_tokens)
         self._last_reconcile = time.monotonic()
-        self._dispatch()
+        self._after_down()
 
     async def _maybe_reconcile(self) -> None:
         async with self._init_lock:
@@ -122,9 +181,12 @@ class KvScheduler:
     def _place(self, trajectory_id: str, tokens: int) -> int | None:
         """Index of the generator to admit on, or None when it fits nowhere now."""
         home = self._affinity.get(trajectory_id)
-        if home is not None and self.free(home) >= tokens:
+        if home is not None and home not in self.down and self.free(home) >= tokens:
             return home  # sticky: the generator that already holds its prefix
-        best = max(range(len(self.generators)), key=lambda i: (self.free(i), -i))
+        live = [i for i in range(len(self.generators)) if i not in self.down]
+        if not live:
+            return None
+        best = max(live, key=lambda i: (self.free(i), -i))
         return best if self.free(best) >= tokens else None
 
     def _grant(self, index: int, trajectory_id: str, tokens: int) -> None:
@@ -161,6 +223,25 @@ class KvScheduler:
             self._grant(index, head.trajectory_id, head.tokens)
             head.future.set_result(index)
 
+    def _after_down(self) -> None:
+        """Queued trajectories that no live generator can hold fail (all of them when none is left);
+        the others are placed as room allows."""
+        live = [i for i in range(len(self.generators)) if i not in self.down]
+        largest = max((self.budget(i) for i in live), default=0) if self._ledgers is not None else None
+        waiting, self._queue = self._queue, collections.deque()
+        for waiter in waiting:
+            if waiter.future.done():
+                continue
+            if not live:
+                waiter.future.set_exception(self._no_generator_left())
+            elif largest is not None and waiter.tokens > largest:
+                waiter.future.set_exception(GeneratorUnavailable(
+                    f"trajectory {waiter.trajectory_id!r} reserves {waiter.tokens} tokens, more than any generator "
+                    f"left in rotation can hold ({largest})"))
+            else:
+                self._queue.append(waiter)
+        self._dispatch()
+
     @contextlib.asynccontextmanager
     async def lease(self, trajectory_id: str, reserve_tokens: int) -> AsyncIterator[Generator]:
         """Reserves `reserve_tokens` on one generator for the life of the context; waits while none has room."""
@@ -169,7 +250,9 @@ class KvScheduler:
         if trajectory_id in self._holder:
             raise ValueError(f"lease: trajectory {trajectory_id!r} already holds a lease")
         await self._maybe_reconcile()
-        largest = max(self.budget(i) for i in range(len(self.generators)))
+        if len(self.down) == len(self.generators):
+            raise self._no_generator_left()
+        largest = max(self.budget(i) for i in range(len(self.generators)) if i not in self.down)
         if reserve_tokens > largest:
             raise ValueError(f"lease: trajectory {trajectory_id!r} reserves {reserve_tokens} tokens, more than "
                              f"any generator's budget ({largest} = {self.budget_fraction} x capacity)")
@@ -195,8 +278,9 @@ class KvScheduler:
             self._release(index, trajectory_id, reserve_tokens)
 
 
-class RoundRobinScheduler:
-    """Static placement: trajectory i goes to generator i mod N, with no admission control."""
+class RoundRobinScheduler(_Rotation):
+    """Static placement: trajectory i goes to generator i mod N (skipping those out of rotation),
+    with no admission control."""
 
     def __init__(self, generators: Sequence[Generator]):
         if not generators:
@@ -205,13 +289,18 @@ class RoundRobinScheduler:
         self._next = itertools.count()
         self.leases = [0] * len(self.generators)
         self.admitted = [0] * len(self.generators)
+        self._init_rotation()
 
     def admitted_per_generator(self) -> list[int]:
         return list(self.admitted)
 
     @contextlib.asynccontextmanager
     async def lease(self, trajectory_id: str, reserve_tokens: int) -> AsyncIterator[Generator]:
+        if len(self.down) == len(self.generators):
+            raise self._no_generator_left()
         index = next(self._next) % len(self.generators)
+        while index in self.down:
+            index = next(self._next) % len(self.generators)
         self.leases[index] += 1
         self.admitted[index] += 1
         try:

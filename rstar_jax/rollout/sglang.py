@@ -24,8 +24,11 @@ SGLang 0.5.x versions differ; each client detects its server once and remembers 
   first seeded request logs a warning (once per server) when `/get_server_info` shows it off.
 
 Errors: connection failures and HTTP 502/503/504 are retried a bounded number of times with
-exponential backoff, then raise `SGLangError` naming the server, endpoint and last error; HTTP 4xx
-raises at once with the server's message.
+exponential backoff (a `/generate` only when it cannot have reached the server), then raise
+`SGLangUnavailable` naming the server, endpoint and last error; so do other 5xx answers and timeouts
+(`request_timeout_s`). HTTP 4xx raises `SGLangRejected` at once with the server's message, as does a
+generation the server ends with an abort carrying a 4xx status (SGLang's validation aborts). Both are
+`SGLangError`s and, for the rollout loop, `GeneratorUnavailable` / `RequestRejected`.
 """
 
 from __future__ import annotations
@@ -39,7 +42,15 @@ from typing import Any, Sequence
 
 import aiohttp
 
-from rstar_jax.rollout.protocol import FINISH_REASONS, Capacity, GenerateResult, SamplingParams
+from rstar_jax.rollout.protocol import (
+    FINISH_REASONS,
+    Capacity,
+    GenerateResult,
+    GeneratorError,
+    GeneratorUnavailable,
+    RequestRejected,
+    SamplingParams,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +62,16 @@ LOAD_ROUTES = ("/v1/loads?include=core", "/get_load", "/get_server_info")
 _warned_nondeterministic: set[str] = set()  # servers already warned about (once per process)
 
 
-class SGLangError(RuntimeError):
+class SGLangError(GeneratorError):
     """A server could not be reached after retries, or answered with an error."""
+
+
+class SGLangUnavailable(SGLangError, GeneratorUnavailable):
+    """The server refused connections, timed out or answered 5xx (after the retries allowed)."""
+
+
+class SGLangRejected(SGLangError, RequestRejected):
+    """The server refused this request with a 4xx (e.g. a prompt longer than its context)."""
 
 
 def new_rid() -> str:
@@ -89,6 +108,10 @@ def parse_generate_response(body: dict, *, url: str = "server") -> GenerateResul
         logprobs.append(float(triple[0]))
     if finish is None:
         raise SGLangError(f"{url}: /generate returned an unfinished (streaming) chunk")
+    status = finish.get("status_code") if isinstance(finish, dict) else None
+    if isinstance(status, int) and status >= 400:  # an error abort (validation, shutdown), not a client's abort
+        kind = SGLangRejected if status < 500 else SGLangUnavailable
+        raise kind(f"{url}: /generate aborted with status {status}: {finish.get('message')}")
     reason = finish.get("type") if isinstance(finish, dict) else str(finish)
     if reason not in FINISH_REASONS:
         raise SGLangError(f"{url}: unknown finish_reason {finish!r}")
@@ -122,6 +145,7 @@ class SGLangGenerator:
 
     def __init__(self, base_url: str, *, retries: int = 3, backoff_s: float = 0.5,
                  request_timeout_s: float | None = None, connect_timeout_s: float = 10.0,
+                 generate_timeout_s: float | None = None,
                  max_connections: int = 1024):
         if retries < 0:
             raise ValueError(f"SGLangGenerator: retries must be >= 0, got {retries}")
@@ -130,6 +154,9 @@ class SGLangGenerator:
         self.retries = retries
         self.backoff_s = backoff_s
         self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, connect=connect_timeout_s)
+        # One generation that runs longer than this means a hung server (it leaves the rotation).
+        self._generate_timeout = (None if generate_timeout_s is None else
+                                  aiohttp.ClientTimeout(total=generate_timeout_s, connect=connect_timeout_s))
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
         self._version = 0
@@ -158,8 +185,8 @@ class SGLangGenerator:
         return self._session
 
     async def _request(self, method: str, path: str, payload: dict | None = None, *,
-                       retry: bool = True, idempotent: bool = True,
-                       ok_statuses: Sequence[int] = (200,)) -> tuple[int, Any]:
+                       retry: bool = True, idempotent: bool = True, ok_statuses: Sequence[int] = (200,),
+                       timeout: aiohttp.ClientTimeout | None = None) -> tuple[int, Any]:
         """Sends one request with bounded retries; returns (status, parsed JSON or text).
 
         A non-idempotent request is retried only when it cannot have reached the server (connection
@@ -170,7 +197,8 @@ class SGLangGenerator:
         for attempt in range(attempts):
             tried = attempt + 1
             try:
-                async with self._get_session().request(method, url, json=payload) as response:
+                async with self._get_session().request(method, url, json=payload,
+                                                       timeout=timeout or self._timeout) as response:
                     text = await response.text()
                     retryable = RETRY_STATUSES if idempotent else (503,)
                     if response.status in retryable and attempt + 1 < attempts:
@@ -178,16 +206,18 @@ class SGLangGenerator:
                     else:
                         body = _maybe_json(text)
                         if response.status not in ok_statuses:
-                            raise SGLangError(f"{url}: HTTP {response.status}: {_error_message(body)}")
+                            kind = (SGLangRejected if 400 <= response.status < 500 else
+                                    SGLangUnavailable if response.status >= 500 else SGLangError)
+                            raise kind(f"{url}: HTTP {response.status}: {_error_message(body)}")
                         return response.status, body
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
                 last_error = f"{type(e).__name__}: {e}"
                 if attempt + 1 >= attempts or not (idempotent or isinstance(e, aiohttp.ClientConnectorError)):
                     break
             delay = self.backoff_s * 2 ** attempt
             log.warning("%s failed (%s); retry %d/%d in %.1fs", url, last_error, attempt + 1, attempts - 1, delay)
             await asyncio.sleep(delay)
-        raise SGLangError(f"{url}: failed after {tried} attempt(s): {last_error}")
+        raise SGLangUnavailable(f"{url}: failed after {tried} attempt(s): {last_error}")
 
     # -- Generator ----------------------------------------------------------------------------
     @property
@@ -205,7 +235,7 @@ class SGLangGenerator:
                    "logprob_start_len": -1, "rid": rid or new_rid(), "stream": False}
         # Not idempotent: a request the server accepted may already be running, so only failures to
         # connect are retried.
-        _, body = await self._request("POST", "/generate", payload, idempotent=False)
+        _, body = await self._request("POST", "/generate", payload, idempotent=False, timeout=self._generate_timeout)
         if isinstance(body, list):
             if len(body) != 1:
                 raise SGLangError(f"{self.base_url}/generate: expected one result, got {len(body)}")
@@ -417,4 +447,4 @@ def _error_message(body: Any) -> str:
     return str(body)[:300]
 
 
-__all__ = ["SGLangError", "SGLangGenerator", "new_rid", "parse_generate_response", "sampling_payload"]
+__all__ = ["SGLangError", "SGLangGenerator", "SGLangRejected", "SGLangUnavailable", "new_rid", "parse_generate_response", "sampling_payload"]

@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from rstar_jax.rollout.trajectory import Trajectory
+from rstar_jax.rollout.trajectory import STOP_REJECTED, Trajectory
 
 CORRECT_THRESHOLD = 0.5
 
@@ -49,6 +49,11 @@ def _summary(c: dict[str, np.ndarray]) -> dict[str, float]:
         "truncation_ratio": float(c["truncated"].mean()),
         # Turns the generators retracted under KV pressure and recomputed (SGLang's num_retractions).
         "retractions": int(c["n_retractions"].sum()),
+        # Generator failures the trajectories survived, aborted turns they continued, and the
+        # requests generators refused (those trajectories are truncated and scored 0).
+        "failovers": int(c["n_failovers"].sum()),
+        "abort_resumes": int(c["n_abort_resumes"].sum()),
+        "rejected": int(c["rejected"].sum()),
     }
 
 
@@ -67,6 +72,9 @@ def rollout_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "num_sampled_tokens": np.asarray([t.num_sampled_tokens for t in trajectories]),
         "truncated": np.asarray([t.truncated for t in trajectories], bool),
         "n_retractions": np.asarray([t.n_retractions for t in trajectories]),
+        "n_failovers": np.asarray([t.n_failovers for t in trajectories]),
+        "n_abort_resumes": np.asarray([t.n_abort_resumes for t in trajectories]),
+        "rejected": np.asarray([t.finish_reason == STOP_REJECTED for t in trajectories], bool),
     })
 
 
@@ -79,4 +87,8 @@ def record_stats(records: Sequence[Mapping]) -> dict[str, float]:
                 "num_sampled_tokens", "n_retractions")}
     columns["reward"] = np.asarray([r["reward"] for r in records], np.float64)
     columns["truncated"] = np.asarray([bool(r["truncated"]) for r in records])
+    # Records written before these fields existed count none.
+    for name in ("n_failovers", "n_abort_resumes"):
+        columns[name] = np.asarray([int(r.get(name, 0)) for r in records])
+    columns["rejected"] = np.asarray([r.get("finish_reason") == STOP_REJECTED for r in records], bool)
     return _summary(columns)

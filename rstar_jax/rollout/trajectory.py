@@ -10,7 +10,8 @@ import numpy as np
 STOP_NO_TOOL_CALL = "no_tool_call"  # the model answered (or stopped calling tools): the normal end
 STOP_MAX_TURNS = "max_turns"
 STOP_BUDGET = "budget"  # the shared response budget (model + tool tokens) ran out: truncated
-STOP_ABORTED = "aborted"
+STOP_ABORTED = "aborted"  # the generator aborted a turn more often than the loop resumes one
+STOP_REJECTED = "rejected"  # the generator refused a request (e.g. a context longer than it serves): truncated
 
 
 @dataclasses.dataclass
@@ -41,6 +42,8 @@ class Trajectory:
     tool_statuses: list[str] = dataclasses.field(default_factory=list)
     tool_seconds: float = 0.0  # wall time this trajectory waited on its tool calls (sandbox round trips)
     n_retractions: int = 0  # times KV-cache pressure made a generator retract and recompute one of its turns
+    n_failovers: int = 0  # times its generator failed and it resumed on another from its last complete turn
+    n_abort_resumes: int = 0  # aborted turns continued from their partial output (partial rollout)
     extra: dict = dataclasses.field(default_factory=dict)
 
     @property

@@ -424,7 +424,8 @@ async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine
             if not urls:
                 raise ConfigError("config.rollout.servers: no generator: the sglang backend needs server URLs "
                                   "(or rollout.local_servers > 0)")
-            resources.generators = [SGLangGenerator(url) for url in urls]
+            resources.generators = [SGLangGenerator(url, generate_timeout_s=config.rollout.generate_timeout_s or None)
+                                    for url in urls]
             kind = KvScheduler if config.rollout.scheduler == "kv" else RoundRobinScheduler
             resources.scheduler = kind(generation_share(resources.generators))
         # The writer loads weights on every server; the others generate on their share only.

@@ -109,6 +109,7 @@ class RLLoop:
                 if self.scheduler is not None:
                     step_metrics.update({f"scheduler/admitted_{i}": n
                                          for i, n in enumerate(self.scheduler.admitted_per_generator())})
+                    step_metrics["scheduler/generators_down"] = len(self.scheduler.down)
                 last = self.metrics.write(step + 1, step_metrics)
                 self.save_state(step + 1, step + 1 == self.steps)
                 if self._evaluation_due(step + 1):
