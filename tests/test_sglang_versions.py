@@ -232,13 +232,18 @@ def test_kv_scheduled_trajectories_on_both_versions():
             trajs = await asyncio.gather(*(run_trajectory(None, TOK, Executor(), f"Q{i}", "42", config=cfg,
                                                           scorer=scorer, scheduler=scheduler, group_id=i)
                                            for i in range(12)))
+            # A request lives in one rank's pool: 4000 tokens fit 0.9 x 8192 but not 0.9 x 4096.
+            with pytest.raises(ValueError, match=r"reserves 4000 tokens, more than any generator's budget "
+                                                 r"\(3686 = 0.9 x one DP rank's pool\)"):
+                async with scheduler.lease("too-big-for-a-rank", 4000):
+                    pass
             return trajs, scheduler
 
     old, new = StandIn("late-2025", rank_tokens=4096), StandIn("2026", rank_tokens=4096)
     trajs, scheduler = run_with([old, new], body)
     assert all(t.reward == 1.0 for t in trajs) and len(trajs) == 12
     # 4096 per rank x 2 ranks: a budget of 0.9 x 8192 holds two reservations of ~2.5k tokens per server.
-    assert [ledger.capacity for ledger in scheduler.ledgers] == [8192, 8192]
+    assert [(ledger.capacity, ledger.ranks) for ledger in scheduler.ledgers] == [(8192, 2), (8192, 2)]
     assert all(ledger.peak_reserved <= scheduler.budget(i) for i, ledger in enumerate(scheduler.ledgers))
     assert sum(scheduler.admitted_per_generator()) == 12 and min(scheduler.admitted_per_generator()) > 0
     assert scheduler.max_queue > 0  # admission control actually held some back

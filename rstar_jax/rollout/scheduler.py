@@ -84,6 +84,7 @@ class GeneratorLedger:
     """The scheduler's view of one generator, in tokens."""
 
     capacity: int  # C_s: the generator's KV pool (max_total_num_tokens summed over its DP ranks)
+    ranks: int = 1  # DP ranks: one request lives in one rank's pool, capacity / ranks
     reserved: int = 0  # R_s: sum of the live leases' reservations
     reported_used: int = 0  # what the generator last reported in use (reconcile)
     leases: int = 0
@@ -137,6 +138,11 @@ class KvScheduler(_Rotation):
         """alpha * C_s: the most a generator's reservations may add up to."""
         return int(self.budget_fraction * self.ledgers[index].capacity)
 
+    def largest_request(self, index: int) -> int:
+        """The most one trajectory may reserve here: its share alpha of one DP rank's pool."""
+        ledger = self.ledgers[index]
+        return int(self.budget_fraction * ledger.capacity) // max(1, ledger.ranks)
+
     def free(self, index: int) -> int:
         """Free budget: alpha * C_s minus the larger of the ledger and the generator's own report."""
         ledger = self.ledgers[index]
@@ -166,6 +172,7 @@ class KvScheduler(_Rotation):
         for i, report in reports.items():
             if i not in self.down:
                 self._ledgers[i].capacity = int(report.total_tokens)
+                self._ledgers[i].ranks = max(1, int(report.ranks))
                 self._ledgers[i].reported_used = int(report.used_tokens)
         self._last_reconcile = time.monotonic()
         self._after_down()
@@ -181,9 +188,10 @@ class KvScheduler(_Rotation):
     def _place(self, trajectory_id: str, tokens: int) -> int | None:
         """Index of the generator to admit on, or None when it fits nowhere now."""
         home = self._affinity.get(trajectory_id)
-        if home is not None and home not in self.down and self.free(home) >= tokens:
+        if (home is not None and home not in self.down and self.free(home) >= tokens
+                and tokens <= self.largest_request(home)):
             return home  # sticky: the generator that already holds its prefix
-        live = [i for i in range(len(self.generators)) if i not in self.down]
+        live = [i for i in range(len(self.generators)) if i not in self.down and tokens <= self.largest_request(i)]
         if not live:
             return None
         best = max(live, key=lambda i: (self.free(i), -i))
@@ -227,7 +235,7 @@ class KvScheduler(_Rotation):
         """Queued trajectories that no live generator can hold fail (all of them when none is left);
         the others are placed as room allows."""
         live = [i for i in range(len(self.generators)) if i not in self.down]
-        largest = max((self.budget(i) for i in live), default=0) if self._ledgers is not None else None
+        largest = max((self.largest_request(i) for i in live), default=0) if self._ledgers is not None else None
         waiting, self._queue = self._queue, collections.deque()
         for waiter in waiting:
             if waiter.future.done():
@@ -252,10 +260,10 @@ class KvScheduler(_Rotation):
         await self._maybe_reconcile()
         if len(self.down) == len(self.generators):
             raise self._no_generator_left()
-        largest = max(self.budget(i) for i in range(len(self.generators)) if i not in self.down)
+        largest = max(self.largest_request(i) for i in range(len(self.generators)) if i not in self.down)
         if reserve_tokens > largest:
             raise ValueError(f"lease: trajectory {trajectory_id!r} reserves {reserve_tokens} tokens, more than "
-                             f"any generator's budget ({largest} = {self.budget_fraction} x capacity)")
+                             f"any generator's budget ({largest} = {self.budget_fraction} x one DP rank's pool)")
         index = None if self._queue else self._place(trajectory_id, reserve_tokens)
         if index is not None:
             self._grant(index, trajectory_id, reserve_tokens)
