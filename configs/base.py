@@ -221,6 +221,34 @@ def get_config() -> ml_collections.ConfigDict:
     # Seconds one reward verification may take before it scores 0 (RL and evaluation alike); our choice.
     c.sandbox.verify_timeout_s = 10.0
 
+    # How the policy reaches SGLang(-compatible) servers after each update (rollout.backend="sglang";
+    # the in-process engine swaps its parameters in place). rstar_jax/train/weight_sync.py explains.
+    c.weight_sync = ml_collections.ConfigDict()
+    # "disk": an HF export every server loads (/update_weights_from_disk); "distributed": SGLang's
+    # torch.distributed broadcast from the trainer (/update_weights_from_distributed; needs torch,
+    # the `distributed-sync` extra, on both sides).
+    c.weight_sync.method = "disk"
+    # "wait": running requests finish on the old weights; "abort": they end with partial output;
+    # "pause": pause (abort), update, continue.
+    c.weight_sync.mode = "wait"
+    # The tensors' dtype ("" = model.param_dtype): bf16 halves the bytes; SGLang serves in bf16 anyway.
+    c.weight_sync.dtype = "bfloat16"
+    # disk: where the export goes ("" = <run_dir>/weights_sync), read by every server; node-local
+    # tmpfs (e.g. /dev/shm/<run>) when they share the node. Shards of at most max_shard_bytes are
+    # written by writer_threads threads.
+    c.weight_sync.directory = ""
+    c.weight_sync.max_shard_bytes = 4 << 30
+    c.weight_sync.writer_threads = 8
+    # distributed: the trainer is rank 0 of the group every server joins at
+    # master_address:master_port ("" = the address the servers reach this host by; 0 = a free port).
+    c.weight_sync.master_address = ""
+    c.weight_sync.master_port = 0
+    c.weight_sync.backend = ""  # "nccl" | "gloo" ("" = nccl when the policy is on GPUs, else gloo)
+    c.weight_sync.group_name = "weight_update_group"  # SGLang's default
+    # Tensors per /update_weights_from_distributed call are bounded by this many bytes (one larger
+    # tensor goes alone): what a server holds received before it loads them.
+    c.weight_sync.bucket_bytes = 1 << 30
+
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 10
     c.checkpoint.max_to_keep = 3

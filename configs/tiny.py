@@ -108,6 +108,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.checkpoint.max_to_keep = 2
     c.checkpoint.export_hf_every = 10
     c.checkpoint.export_dtype = ""  # float32, as trained: a stage that starts from an export continues exactly
+    c.weight_sync.dtype = ""  # servers (rollout.backend="sglang") sample the float32 policy the trainer scores
 
     c.eval.k = 2
     c.eval.max_turns = 3

@@ -245,3 +245,40 @@ def test_a_runs_export_is_a_whole_checkpoint(tmp_path):
     assert sorted(p.name for p in plain.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
     assert json.loads((plain / "generation_config.json").read_text()) == {"eos_token_id": [258, 256]}
     assert json.loads((plain / "config.json").read_text())["dtype"] == "float32"
+
+
+# -- tensors in memory (SGLang's distributed weight update) -------------------------------------
+
+def test_update_from_hf_tensors_and_hf_tensor_are_the_way_back():
+    """Tensors by HF name go into a copy of the model (some layers of a stacked parameter only, cast
+    to the parameter's dtype); the original is untouched; hf_tensor reads one back as HF lays it out;
+    wrong names and shapes are refused naming the tensor, before anything changes."""
+    from flax import nnx
+
+    from rstar_jax.model.hf import hf_tensor, hf_tensors, update_from_hf_tensors
+    from rstar_jax.model.qwen3 import Qwen3
+
+    config = Qwen3Config.tiny(num_layers=3)
+    old, new = Qwen3(config, rngs=nnx.Rngs(0)), Qwen3(config, rngs=nnx.Rngs(1))
+    before = dict(hf_tensors(old))
+    theirs = dict(hf_tensors(new, "bfloat16"))
+    sent = {k: v for k, v in theirs.items() if ".1." in k or not k.startswith("model.layers.")}
+    updated = update_from_hf_tensors(old, sent)
+    after = dict(hf_tensors(updated))
+    for name, value in after.items():
+        want = sent[name].astype(np.float32) if name in sent else before[name]
+        np.testing.assert_array_equal(value, want, err_msg=name)
+        np.testing.assert_array_equal(hf_tensor(updated, name), value, err_msg=name)
+    assert updated.q_proj[...].dtype == jnp.float32
+    np.testing.assert_array_equal(dict(hf_tensors(old))["model.layers.1.mlp.up_proj.weight"],
+                                  before["model.layers.1.mlp.up_proj.weight"])  # the original is unchanged
+
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.3\.mlp\.up_proj\.weight' is not a parameter"):
+        update_from_hf_tensors(old, {"model.layers.3.mlp.up_proj.weight": np.zeros((128, 64), np.float32)})
+    with pytest.raises(CheckpointError, match=r"'model\.norm\.weight' has shape \(3,\), expected \(64,\)"):
+        update_from_hf_tensors(old, {"model.norm.weight": np.zeros(3, np.float32)})
+    with pytest.raises(CheckpointError, match="no tensor 'lm_head.bias'"):
+        hf_tensor(old, "lm_head.bias")
+    tied = Qwen3(Qwen3Config.tiny(tie_word_embeddings=True), rngs=nnx.Rngs(0))
+    np.testing.assert_array_equal(hf_tensor(tied, "lm_head.weight"), hf_tensor(tied, "model.embed_tokens.weight"))
+    assert update_from_hf_tensors(tied, {"lm_head.weight": np.zeros((320, 64), np.float32)}) is not tied

@@ -286,7 +286,7 @@ def test_pause_retries_without_a_body_when_the_server_refuses_one():
 def test_first_weight_sync_waits_until_the_server_is_ready(version, tmp_path, monkeypatch):
     from rstar_jax.train import weight_sync
 
-    monkeypatch.setattr(weight_sync, "save_pretrained", lambda model, directory, dtype=None: directory)
+    monkeypatch.setattr(weight_sync, "save_pretrained", lambda model, directory, **export: directory)
     server = StandIn(version, starting_probes=2)
 
     async def body(s):

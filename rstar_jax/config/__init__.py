@@ -47,8 +47,10 @@ from rstar_jax.rl.loss import LossConfig
 from rstar_jax.rl.roc import RocConfig
 from rstar_jax.rollout.loop import LoopConfig
 from rstar_jax.rollout.tool_env import ToolEnv
+from rstar_jax.rollout.weight_transfer import BACKENDS as WEIGHT_SYNC_BACKENDS
 from rstar_jax.train.rl_batch import BatchConfig
 from rstar_jax.train.step import OptimizerConfig
+from rstar_jax.train.weight_sync import SYNC_METHODS, SYNC_MODES
 
 T = TypeVar("T")
 
@@ -567,6 +569,7 @@ def _check_values(check: Checker) -> None:
     every_ok = check.positive_int("checkpoint.every_steps")
     check.require(config.checkpoint.export_dtype in ("", *DTYPE_NAMES), "checkpoint.export_dtype",
                   f"must be '' (the model's param_dtype) or one of {DTYPE_NAMES}, got {config.checkpoint.export_dtype!r}")
+    _check_weight_sync(check)
     check.positive_int("checkpoint.max_to_keep")
     if check.positive_int("checkpoint.export_hf_every", allow_zero=True) and every_ok:
         export_every, every = config.checkpoint.export_hf_every, config.checkpoint.every_steps
@@ -583,6 +586,30 @@ def _check_values(check: Checker) -> None:
     check.strings("filter_hard.input_files")
     check.optional_step("filter_hard.checkpoint_step")
     check.urls("filter_hard.generator_urls")
+
+
+def _check_weight_sync(check: Checker) -> None:
+    w = check.config.weight_sync
+    method_ok = check.enum("weight_sync.method", SYNC_METHODS)
+    check.enum("weight_sync.mode", SYNC_MODES)
+    check.require(w.dtype in ("", *DTYPE_NAMES), "weight_sync.dtype",
+                  f"must be '' (the model's param_dtype) or one of {DTYPE_NAMES}, got {w.dtype!r}")
+    check.positive_int("weight_sync.max_shard_bytes")
+    check.positive_int("weight_sync.writer_threads")
+    address = w.master_address
+    check.require(isinstance(address, str) and not any(c in address for c in "/ \t"), "weight_sync.master_address",
+                  f"must be '' (the address the servers reach this host by) or a host name or IP address, "
+                  f"got {address!r}")
+    port = w.master_port
+    check.require(_is_int(port) and 0 <= port <= 65535, "weight_sync.master_port",
+                  f"must be 0 (a free port) or a TCP port up to 65535, got {port!r}")
+    check.enum("weight_sync.backend", ("", *WEIGHT_SYNC_BACKENDS))
+    check.non_empty("weight_sync.group_name", "a non-empty group name")
+    check.positive_int("weight_sync.bucket_bytes")
+    if method_ok and w.method == "distributed" and check.ok("rollout.backend"):
+        check.require(check.config.rollout.backend == "sglang", "weight_sync.method",
+                      "'distributed' updates SGLang(-compatible) servers: it needs rollout.backend='sglang' (the "
+                      "in-process engine swaps its parameters in place)")
 
 
 def _check_inputs(check: Checker) -> None:

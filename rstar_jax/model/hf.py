@@ -4,8 +4,11 @@ The key mapping is one table (`HF_PARAM_MAP`): each row names a Hugging Face ten
 for the layer index), our parameter, and how the matrix is laid out on each side. Loading streams
 tensor by tensor from memory-mapped safetensors files: every device shard of a parameter is read
 straight from disk through `jax.make_array_from_callback`, so no host ever assembles a full
-parameter it does not own. Export writes safetensors shards with an index and a transformers-5
-config.json that transformers and SGLang load.
+parameter it does not own. Export (`save_pretrained`) lays every parameter out as Hugging Face does
+and casts it on the parameter's own devices (`hf_blocks`), gathers it to the host and writes
+safetensors shards from a thread pool, with an index and a transformers-5 config.json that
+transformers and SGLang load. `update_from_hf_tensors` is the way back for tensors that arrive in
+memory (SGLang's distributed weight update); `hf_tensor` reads one parameter by its HF name.
 
 The safetensors container format (an 8-byte header length, a JSON header, raw little-endian data)
 is read and written here directly because the numpy bindings of the `safetensors` package cannot
@@ -14,13 +17,16 @@ represent bfloat16.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
+import functools
 import json
 import os
 import pathlib
 import shutil
 import struct
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +34,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.typing import DTypeLike
+from jax.typing import ArrayLike, DTypeLike
 
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config, abstract_model, dtype_name
 from rstar_jax.model.sharding import DEFAULT_RULES, param_shardings, set_activation_shardings
@@ -202,7 +208,7 @@ def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray], metada
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for arr in arrays:
-            f.write(arr.tobytes())
+            f.write(memoryview(arr.reshape(-1).view(np.uint8)))  # no copy; the write releases the GIL
     os.replace(tmp, path)
 
 
@@ -332,23 +338,125 @@ def host_value(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+@functools.partial(jax.jit, static_argnames=("layout", "stacked", "dtype"))
+def _hf_block(value: jax.Array, layout: str, stacked: bool, dtype: str) -> jax.Array:
+    # On the parameter's own devices: XLA transposes and casts a whole stacked parameter several
+    # times faster than NumPy does per layer on the host, and a GPU's arrays never leave the GPU.
+    to_hf = functools.partial(_to_hf, layout)
+    return (jax.vmap(to_hf)(value) if stacked else to_hf(value)).astype(dtype)
+
+
+def hf_blocks(model: Qwen3, dtype: DTypeLike | None = None) -> Iterator[tuple[ParamMapping, jax.Array]]:
+    """(mapping, array) per parameter in `HF_PARAM_MAP` order: the parameter in Hugging Face layout
+    and `dtype` (default `config.param_dtype`), computed on the parameter's devices with its
+    sharding; a stacked parameter is [layers, *hf_shape] (layer i is HF tensor `hf_key` with i)."""
+    config = model.config
+    out = dtype_name(config.param_dtype if dtype is None else dtype, "hf_tensors.dtype")
+    for m in _param_mappings(config):
+        yield m, _hf_block(getattr(model, m.param)[...], m.layout, m.stacked, out)
+
+
+def hf_keys(m: ParamMapping, config: Qwen3Config) -> list[str]:
+    """The HF tensor names of one mapping row, in layer order."""
+    return [m.hf_key.format(i=i) for i in range(config.num_layers)] if m.stacked else [m.hf_key]
+
+
+def hf_shapes(model: Qwen3) -> list[tuple[str, tuple[int, ...]]]:
+    """(hf_key, shape) of every tensor, in `hf_tensors` order, from the parameters' shapes alone."""
+    out = []
+    for m in _param_mappings(model.config):
+        ours = tuple(getattr(model, m.param).shape)
+        shape = _hf_shape(m.layout, ours[1:] if m.stacked else ours)
+        out.extend((key, shape) for key in hf_keys(m, model.config))
+    return out
+
+
+def _host_tensors(model: Qwen3, dtype: DTypeLike | None) -> Iterator[tuple[str, np.ndarray]]:
+    # Every process runs the same transforms and gathers, in the same order (they are collectives
+    # when parameters span processes); per-layer tensors are views of the gathered block.
+    for m, block in hf_blocks(model, dtype):
+        host = host_value(block)
+        if m.stacked:
+            yield from zip(hf_keys(m, model.config), host)
+        else:
+            yield m.hf_key, host
+
+
 def hf_tensors(model: Qwen3, dtype: DTypeLike | None = None) -> Iterable[tuple[str, np.ndarray]]:
     """Yields (hf_key, array) one tensor at a time, gathered to the host, in `dtype` (a name or a
-    JAX/NumPy dtype; default `config.param_dtype`)."""
-    config = model.config
-    out_dtype = np.dtype(jnp.dtype(config.param_dtype if dtype is None else dtype_name(dtype, "hf_tensors.dtype")))
+    JAX/NumPy dtype; default `config.param_dtype`). Every process of a multi-process job must
+    iterate it to the end (the gathers are collectives)."""
+    return _host_tensors(model, dtype)
+
+
+def _hf_index(config: Qwen3Config) -> dict[str, tuple[ParamMapping, int | None]]:
+    """HF tensor name -> (mapping row, layer index or None)."""
+    index = {}
     for m in _param_mappings(config):
-        value = host_value(getattr(model, m.param)[...])
-        if m.stacked:
-            for i in range(config.num_layers):
-                yield m.hf_key.format(i=i), np.ascontiguousarray(_to_hf(m.layout, value[i]).astype(out_dtype))
+        for i, key in enumerate(hf_keys(m, config)):
+            index[key] = (m, i if m.stacked else None)
+    return index
+
+
+def hf_tensor(model: Qwen3, name: str) -> np.ndarray:
+    """One parameter as Hugging Face names and lays it out (in the parameter's dtype), on the host:
+    what SGLang's `/get_weights_by_name` reads. A tied model answers `lm_head.weight` with the
+    embedding, as SGLang does."""
+    config = model.config
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        name = "model.embed_tokens.weight"
+    if name not in (index := _hf_index(config)):
+        raise CheckpointError(f"no tensor {name!r} in this Qwen3 ({config.num_layers} layers)")
+    m, layer = index[name]
+    value = getattr(model, m.param)[...]
+    value = value[layer] if layer is not None else value
+    return host_value(_hf_block(value, m.layout, False, dtype_name(value.dtype)))
+
+
+def update_from_hf_tensors(model: Qwen3, tensors: Mapping[str, ArrayLike]) -> Qwen3:
+    """A copy of `model` whose parameters named by `tensors` (Hugging Face names and layouts, e.g.
+    received from a trainer) take those values, cast to the parameter's dtype; every other
+    parameter is shared with `model`, which is left unchanged. A stacked parameter may receive only
+    some of its layers. Values may be NumPy or JAX arrays; they are laid out on device and placed
+    with the parameter's sharding.
+
+    Every name and shape is checked before anything is built: a `CheckpointError` names the first
+    unknown tensor or wrong shape. A tied model ignores `lm_head.weight`, as SGLang's loader does.
+    """
+    config = model.config
+    index = _hf_index(config)
+    by_param: dict[str, dict[int | None, ArrayLike]] = {}
+    for name, value in tensors.items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name not in index:
+            raise CheckpointError(f"tensor {name!r} is not a parameter of this Qwen3 ({config.num_layers} layers)")
+        m, layer = index[name]
+        ours = tuple(getattr(model, m.param).shape)
+        want = _hf_shape(m.layout, ours[1:] if m.stacked else ours)
+        if tuple(value.shape) != want:
+            raise CheckpointError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {want}")
+        by_param.setdefault(m.param, {})[layer] = value
+    mappings = {m.param: m for m in _param_mappings(config)}
+    updated = nnx.merge(*nnx.split(model), copy=True)  # new variables over the same arrays
+    for param, parts in by_param.items():
+        m, current = mappings[param], getattr(model, param)[...]
+        if not m.stacked:
+            value = _to_ours(m.layout, jnp.asarray(parts[None]), current.shape).astype(current.dtype)
         else:
-            yield m.hf_key, np.ascontiguousarray(_to_hf(m.layout, value).astype(out_dtype))
+            layers = sorted(parts)
+            block = jnp.stack([_to_ours(m.layout, jnp.asarray(parts[i]), current.shape[1:]) for i in layers])
+            block = block.astype(current.dtype)
+            value = block if len(layers) == config.num_layers else current.at[np.asarray(layers)].set(block)
+        getattr(updated, param).set_value(jax.device_put(value, current.sharding))
+    return updated
 
 
 # What transformers, SGLang and our HF tokenizer read from a checkpoint directory.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "vocab.json", "merges.txt", "chat_template.jinja")
+DEFAULT_MAX_SHARD_BYTES = 4 << 30
+DEFAULT_WRITER_THREADS = 8
 
 
 def save_pretrained(
@@ -356,70 +464,82 @@ def save_pretrained(
     path: str | os.PathLike,
     *,
     dtype: DTypeLike | None = None,
-    max_shard_bytes: int = 4 << 30,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    writer_threads: int = DEFAULT_WRITER_THREADS,
     tokenizer_dir: str | os.PathLike | None = None,
     stop_token_ids: Sequence[int] = (),
 ) -> pathlib.Path:
     """Writes config.json, generation_config.json and safetensors (sharded with an index when large).
 
-    `dtype`: the tensors' dtype, a name or a JAX/NumPy dtype (default `config.param_dtype`).
+    `dtype`: the tensors' dtype, a name or a JAX/NumPy dtype (default `config.param_dtype`); the
+    conversion and the HF layout are computed on the parameters' devices.
+    `max_shard_bytes`: tensors go into `model-0000k-of-0000N.safetensors` shards of at most this
+    size (one larger tensor gets a shard of its own) with `model.safetensors.index.json`; a single
+    shard is `model.safetensors`.
+    `writer_threads`: shards are written by this many threads while the next ones are filled (at
+    most that many wait in memory); the files are the same bytes whatever the count.
     `tokenizer_dir`: its tokenizer files (`TOKENIZER_FILES`) are copied beside the weights, so the
     directory is a whole checkpoint for the next stage, transformers and SGLang; its
     generation_config.json, if any, is kept (sampling defaults) with `stop_token_ids` as eos.
     `stop_token_ids`: the chat model's stop tokens (`<|im_end|>`, `<|endoftext|>`), generation's eos.
     """
+    if max_shard_bytes < 1 or writer_threads < 1:
+        raise ValueError(f"save_pretrained: max_shard_bytes ({max_shard_bytes}) and writer_threads "
+                         f"({writer_threads}) must be >= 1")
     config = model.config
     out_dtype = config.param_dtype if dtype is None else dtype_name(dtype, "save_pretrained.dtype")
     path = pathlib.Path(path)
     if jax.process_index() != 0:
         # One writer. Parameters that span hosts are gathered with a collective, so every process
-        # takes part in each gather, in hf_tensors' order, and drops the result unconverted.
-        for m in _param_mappings(config):
-            host_value(getattr(model, m.param)[...])
+        # takes part in each transform and gather, in the same order, and drops the result.
+        for _ in _host_tensors(model, out_dtype):
+            pass
         return path
     path.mkdir(parents=True, exist_ok=True)
-    shards: list[dict[str, np.ndarray]] = [{}]
-    sizes = [0]
+    temporary = "model-{:05d}-of-{{total}}.safetensors"  # renamed once the count is known
     written: list[str] = []
     weight_map: dict[str, str] = {}
-    tensor_bytes: dict[str, int] = {}
+    total_size = 0
+    pending: collections.deque[concurrent.futures.Future] = collections.deque()
+    shard: dict[str, np.ndarray] = {}
+    shard_bytes = 0
 
-    def flush():
-        name_template = "model-{:05d}-of-{{total}}.safetensors"
-        if shards[-1]:
-            fname = name_template.format(len(written) + 1)
-            write_safetensors(path / fname, shards[-1])
+    with concurrent.futures.ThreadPoolExecutor(writer_threads, thread_name_prefix="hf-writer") as pool:
+        def flush():
+            nonlocal shard, shard_bytes
+            if not shard:
+                return
+            fname = temporary.format(len(written) + 1)
             written.append(fname)
-            for key in shards[-1]:
-                weight_map[key] = fname
-        shards[-1] = {}
-        sizes[-1] = 0
+            weight_map.update(dict.fromkeys(shard, fname))
+            # Bounded memory: a filled shard waits only while fewer than writer_threads are queued.
+            while len(pending) >= writer_threads:
+                pending.popleft().result()
+            pending.append(pool.submit(write_safetensors, path / fname, shard))
+            shard, shard_bytes = {}, 0
 
-    for key, arr in hf_tensors(model, out_dtype):
-        if sizes[-1] and sizes[-1] + arr.nbytes > max_shard_bytes:
-            flush()
-        shards[-1][key] = arr
-        sizes[-1] += arr.nbytes
-        tensor_bytes[key] = arr.nbytes
-    flush()
+        for key, arr in _host_tensors(model, out_dtype):
+            if shard_bytes and shard_bytes + arr.nbytes > max_shard_bytes:
+                flush()
+            shard[key] = arr
+            shard_bytes += arr.nbytes
+            total_size += arr.nbytes
+        flush()
+        for future in pending:
+            future.result()  # a failed write raises here
 
     # Rename shards now that their count is known; a single shard becomes model.safetensors.
+    total = len(written)
+    final_names = ({written[0]: "model.safetensors"} if total == 1 else
+                   {f: f.replace("{total}", f"{total:05d}") for f in written})
     for stale in list(path.glob("model*.safetensors")) + [path / "model.safetensors.index.json"]:
         if stale.exists() and stale.name not in written:
             stale.unlink()
-    total = len(written)
-    if total == 1:
-        os.replace(path / written[0], path / "model.safetensors")
-    else:
-        final_names = {}
-        for fname in written:
-            new = fname.replace("{total}", f"{total:05d}")
-            os.replace(path / fname, path / new)
-            final_names[fname] = new
-        index = {
-            "metadata": {"total_size": sum(tensor_bytes.values())},
-            "weight_map": {k: final_names[v] for k, v in weight_map.items()},
-        }
+    for fname, final in final_names.items():
+        os.replace(path / fname, path / final)
+    if total > 1:
+        index = {"metadata": {"total_size": total_size},
+                 "weight_map": {k: final_names[v] for k, v in weight_map.items()}}
         (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     (path / "config.json").write_text(json.dumps(config.to_hf_dict(out_dtype), indent=2))
     generation: dict = {"_from_model_config": True}
@@ -437,5 +557,6 @@ def save_pretrained(
     return path
 
 
-__all__ = ["TOKENIZER_FILES", "HF_PARAM_MAP", "ParamMapping", "CheckpointError", "SafetensorsReader", "write_safetensors",
-           "load_config", "load_pretrained", "save_pretrained", "hf_tensors"]
+__all__ = ["TOKENIZER_FILES", "HF_PARAM_MAP", "ParamMapping", "CheckpointError", "SafetensorsReader",
+           "write_safetensors", "load_config", "load_pretrained", "save_pretrained", "hf_tensors", "hf_blocks", "hf_keys",
+           "hf_shapes", "hf_tensor", "update_from_hf_tensors"]

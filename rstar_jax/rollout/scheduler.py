@@ -48,13 +48,11 @@ class _Rotation:
     def _init_rotation(self) -> None:
         self.down: dict[int, str] = {}  # generator index -> why it left the rotation
 
-    def _index(self, generator: Generator) -> int:
-        for i, g in enumerate(self.generators):
-            if g is generator:
-                return i
-        raise ValueError(f"{type(self).__name__}: {getattr(generator, 'name', generator)!r} is not one of its generators")
+    def _index(self, generator: Generator) -> int | None:
+        return next((i for i, g in enumerate(self.generators) if g is generator), None)
 
     def is_down(self, generator: Generator) -> bool:
+        """True once `generator` left the rotation (False for one this scheduler does not place on)."""
         return self._index(generator) in self.down
 
     def live(self) -> list[Generator]:
@@ -62,9 +60,10 @@ class _Rotation:
         return [g for i, g in enumerate(self.generators) if i not in self.down]
 
     def mark_down(self, generator: Generator, reason: str) -> None:
-        """Takes `generator` out of rotation (idempotent); new leases go to the others."""
+        """Takes `generator` out of rotation (idempotent); new leases go to the others. A generator this
+        scheduler does not place on (another process's share) is ignored."""
         index = self._index(generator)
-        if index in self.down:
+        if index is None or index in self.down:
             return
         self.down[index] = str(reason)
         log.warning("generator %s taken out of rotation (%d of %d left): %s", getattr(generator, "name", index),

@@ -7,9 +7,12 @@ max_new_tokens (SGLang otherwise takes them from the model's generation_config),
 "abort" and its partial tokens; the caller decides whether to resume it.
 
 Control plane: `server_info`, `loads`, `capacity`, `flush_cache`, `pause`, `resume`,
-`update_weights_from_disk`, `weight_version`, `abort_all`, `health` and `wait_ready`. The trainer's
-weight sync (`rstar_jax.train.weight_sync.DiskSync`) exports Hugging Face safetensors and makes every
-server load them through this client, once the server has answered `/health_generate`.
+`update_weights_from_disk`, `weight_version`, `abort_all`, `health` and `wait_ready`; SGLang's
+distributed weight update (`weight_update_ranks`, `init_weights_update_group`,
+`update_weights_from_distributed`, `destroy_weights_update_group`) and `get_weights_by_name`, with
+SGLang's request bodies. The trainer's weight sync (`rstar_jax.train.weight_sync`: `DiskSync` exports
+Hugging Face safetensors, `DistributedSync` broadcasts over torch.distributed) drives every server
+through this client, once the server has answered `/health_generate`.
 
 SGLang 0.5.x versions differ; each client detects its server once and remembers the outcome:
 - Load: `GET /v1/loads?include=core` (2026 builds, one snapshot per DP rank), else `GET /get_load`
@@ -427,6 +430,67 @@ class SGLangGenerator:
             version = parse_weight_version(await self.weight_version())
         if version is not None:
             self._version = version
+        return body
+
+    # -- distributed weight update (trainer side: rstar_jax.train.weight_sync.DistributedSync) ------
+    async def weight_update_ranks(self) -> int:
+        """How many ranks this server joins a weight-update group with: one per GPU (tp_size) on
+        SGLang, one for `rstar_jax.serve` (`weight_update_ranks`). Pipeline-parallel servers and DP
+        without DP attention are refused, as SGLang cannot take part then."""
+        info = await self.server_info()
+        if "weight_update_ranks" in info:
+            return int(info["weight_update_ranks"])
+        if int(info.get("pp_size") or 1) > 1:
+            raise SGLangError(f"{self.base_url}: pp_size {info['pp_size']} > 1: SGLang's weight-update group ranks "
+                              f"collide across pipeline stages (sglang#24643); use the disk weight sync")
+        if int(info.get("dp_size") or 1) > 1 and not info.get("enable_dp_attention"):
+            raise SGLangError(f"{self.base_url}: dp_size {info['dp_size']} > 1 without DP attention: SGLang refuses "
+                              f"distributed weight updates; use the disk weight sync")
+        return int(info.get("tp_size") or 1)
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                        *, group_name: str = "weight_update_group", backend: str = "nccl") -> dict:
+        """Makes the server join a torch.distributed group (its ranks from `rank_offset`) whose rank
+        0 is the caller; answers once every rank has joined, so rank 0 joins while this is in flight."""
+        payload = {"master_address": master_address, "master_port": int(master_port), "rank_offset": int(rank_offset),
+                   "world_size": int(world_size), "group_name": group_name, "backend": backend}
+        return await self._weights_call("/init_weights_update_group", payload)
+
+    async def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[str],
+                                              shapes: Sequence[Sequence[int]], *,
+                                              group_name: str = "weight_update_group",
+                                              weight_version: str | int | None = None, flush_cache: bool = True,
+                                              abort_all_requests: bool = False) -> dict:
+        """Makes the server receive the listed tensors (HF names, dtype names such as "bfloat16",
+        shapes) from rank 0's broadcasts in this order and load them; the caller broadcasts while
+        this is in flight. The server reports `weight_version` afterwards when given."""
+        payload: dict[str, Any] = {"names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
+                                   "group_name": group_name, "flush_cache": flush_cache,
+                                   "abort_all_requests": abort_all_requests}
+        if weight_version is not None:
+            payload["weight_version"] = str(weight_version)
+        body = await self._weights_call("/update_weights_from_distributed", payload)
+        version = parse_weight_version(weight_version) if weight_version is not None else None
+        if version is not None:
+            self._version = version
+        return body
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return await self._weights_call("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """One parameter by its HF name as float32 values (SGLang's debug read): its first
+        `truncate_size` rows."""
+        _, body = await self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+        if not isinstance(body, list):
+            raise SGLangError(f"{self.base_url}/get_weights_by_name {name!r}: unexpected response {str(body)[:200]}")
+        return body
+
+    async def _weights_call(self, path: str, payload: dict) -> dict:
+        # Sent once: each is a collective with the caller's broadcasts, never to be repeated.
+        _, body = await self._request("POST", path, payload, retry=False, idempotent=False)
+        if not isinstance(body, dict) or not body.get("success"):
+            raise SGLangError(f"{self.base_url}{path} failed: {body}")
         return body
 
 

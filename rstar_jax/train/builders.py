@@ -57,7 +57,7 @@ from rstar_jax.train.checkpoint import Checkpointer, CheckpointError, PolicySour
 from rstar_jax.train.metrics import MetricsWriter
 from rstar_jax.train.rl_batch import row_length_for
 from rstar_jax.train.sft import SftBatches, SftSkips, sft_sequences
-from rstar_jax.train.weight_sync import DiskSync, EngineSync, WeightSync
+from rstar_jax.train.weight_sync import DiskSync, DistributedSync, EngineSync, WeightSync
 from sandbox_service.client import SandboxClient
 from sandbox_service.launcher import LocalSandbox
 
@@ -379,7 +379,8 @@ def sandbox(config) -> Iterator[list[str]]:
 @contextlib.contextmanager
 def local_servers(config, model: Qwen3) -> Iterator[list[str]]:
     """`rollout.local_servers` `python -m rstar_jax.serve` processes started from `model` (exported to
-    `<run_dir>/weights_sync`), stopped on exit; else the configured `rollout.servers`."""
+    `weight_sync_directory`, as `weight_sync` exports), stopped on exit; else the configured
+    `rollout.servers`."""
     r = config.rollout
     if not r.local_servers:
         yield list(r.servers)
@@ -388,8 +389,9 @@ def local_servers(config, model: Qwen3) -> Iterator[list[str]]:
         raise ConfigError("config.rollout.local_servers: servers started by each trainer process are reachable only "
                           "from its host; under several processes start SGLang servers and list them in "
                           "rollout.servers (or use rollout.backend='jax')")
-    initial = save_pretrained(model, pathlib.Path(config.run_dir) / "weights_sync",
-                              dtype=config.checkpoint.export_dtype or None)  # as every later sync
+    w = config.weight_sync
+    initial = save_pretrained(model, weight_sync_directory(config), dtype=w.dtype or None,
+                              max_shard_bytes=w.max_shard_bytes, writer_threads=w.writer_threads)  # as DiskSync
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(LocalServer(
             str(initial), slots=r.engine.slots, max_length=r.engine.max_length,
@@ -406,6 +408,7 @@ class RolloutResources:
     engine: JaxEngine | None = None  # the in-process generator, or
     generators: list[SGLangGenerator] = dataclasses.field(default_factory=list)  # servers, placed by
     scheduler: object = None  # the KV-aware (or round-robin) scheduler
+    closers: list = dataclasses.field(default_factory=list)  # async callables run first on exit (weight sync)
 
 
 @contextlib.asynccontextmanager
@@ -433,6 +436,8 @@ async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine
                                generators=None if multihost.is_writer() else generation_share(resources.generators))
         yield resources
     finally:
+        for close in resources.closers:
+            await close()
         scorer.close()
         await client.close()
         for generator in resources.generators:
@@ -479,9 +484,31 @@ async def wait_until_ready(resources: RolloutResources, timeout_s: float, interv
         await asyncio.sleep(min(interval_s, max(0.0, deadline - loop.time())))
 
 
+def weight_sync_directory(config) -> pathlib.Path:
+    """`weight_sync.directory`, else `<run_dir>/weights_sync`: where server weights are exported."""
+    return pathlib.Path(config.weight_sync.directory or pathlib.Path(config.run_dir) / "weights_sync")
+
+
 def weight_sync(config, resources: RolloutResources) -> WeightSync:
-    """In-place swap for the in-process engine; HF export + `/update_weights_from_disk` for servers."""
+    """In-place swap for the in-process engine; for servers `weight_sync.method`'s: an HF export and
+    `/update_weights_from_disk`, or SGLang's distributed update (its group is destroyed when
+    `resources` close)."""
     if resources.engine is not None:
         return EngineSync(resources.engine)
-    return DiskSync(resources.generators, pathlib.Path(config.run_dir) / "weights_sync", mode="wait",
-                    dtype=config.checkpoint.export_dtype or None, ready_timeout_s=config.rollout.ready_timeout_s)
+    w = config.weight_sync
+    dtype = w.dtype or config.model.param_dtype
+    if w.method == "distributed":
+        sync = DistributedSync(resources.generators, master_address=w.master_address, master_port=w.master_port,
+                               backend=w.backend, group_name=w.group_name, bucket_bytes=w.bucket_bytes,
+                               dtype=dtype, mode=w.mode, ready_timeout_s=config.rollout.ready_timeout_s,
+                               rotation=resources.scheduler)
+        resources.closers.append(sync.close)
+        how = f"torch.distributed {sync.backend} broadcast"
+    else:
+        sync = DiskSync(resources.generators, weight_sync_directory(config), mode=w.mode, dtype=dtype,
+                        max_shard_bytes=w.max_shard_bytes, writer_threads=w.writer_threads,
+                        ready_timeout_s=config.rollout.ready_timeout_s, rotation=resources.scheduler)
+        how = f"HF export to {sync.directory}"
+    if multihost.is_writer():
+        print(f"[rl] weight sync: {how} ({dtype}, mode {w.mode}) to {len(resources.generators)} server(s)", flush=True)
+    return sync
