@@ -1,59 +1,63 @@
-"""SGLang-compatible HTTP server over `JaxEngine` (routes and semantics: `rstar_jax.rollout.server`).
+"""`python -m rstar_jax.serve`: `python -m sglang.launch_server`'s command line (what RL and
+evaluation use of it) over `JaxEngine`; routes and semantics in `rstar_jax.rollout.server`.
 
-    python -m rstar_jax.serve --model PATH_OR_PRESET --port 30000 [--host 127.0.0.1] [--slots N]
-        [--max-length N] [--max-total-tokens N] [--page-size N] [--tp-size N] [--port-file F] [--seed S]
+    python -m rstar_jax.serve --model-path PATH_OR_PRESET [--tokenizer-path DIR] [--host 127.0.0.1]
+        [--port 30000] [--context-length N] [--max-running-requests N] [--max-total-tokens N]
+        [--mem-fraction-static F] [--page-size N] [--tp-size N] [--dp-size 1] [--random-seed S]
+        [--served-model-name NAME] [--skip-tokenizer-init] [--enable-deterministic-inference]
+        [--enable-metrics] [--sampling-defaults openai] [--log-level LEVEL] [--port-file F]
 
-`--model` is a Hugging Face Qwen3 directory or a preset name (`tiny`, `qwen3-1.7b`, ...) served with
-random weights. `--port 0` picks a free port; `--port-file` receives the bound port once the server
-is warm. `--max-total-tokens` sizes the paged KV pool (SGLang's `max_total_num_tokens`); below
-slots x max-length the server overcommits it and retracts requests under pressure, as SGLang does.
+The flags are SGLang's, with its meanings:
+- `--model-path`: a Hugging Face Qwen3 directory, or a preset name (`tiny`, `qwen3-1.7b`, ...) served
+  with random weights and no tokenizer (token ids only, as with `--skip-tokenizer-init`).
+- `--tokenizer-path` (default: the model's directory): its `tokenizer.json` is loaded, and with it
+  `text` and `stop` strings in `/generate`, `/v1/completions`, and `/v1/chat/completions` with its
+  chat template. `--skip-tokenizer-init` loads none: token ids only, and those routes answer 400.
+- `--context-length`: prompt + output per request (default: the model's max_position_embeddings).
+  `--max-running-requests`: requests decoded together (default 8).
+- `--max-total-tokens`: the paged KV pool in tokens (SGLang's max_total_num_tokens). Without it the
+  pool takes what `--mem-fraction-static` leaves, as SGLang sizes it: that fraction (default 0.85) of
+  the device memory JAX may use holds the weights and the pool. A device without memory statistics
+  (CPU) gets max-running-requests x context-length tokens (logged). A pool below that is
+  overcommitted: requests are retracted under pressure, as SGLang does.
+- `--enable-deterministic-inference`: honour `sampling_seed` (OpenAI `seed`); without it the seed
+  is ignored, as SGLang does (the engine's sampling is deterministic per seed and position either
+  way). `--random-seed` seeds the unseeded draws.
+- `--enable-metrics`: serve `/metrics` (Prometheus text, SGLang's metric names).
+- `--sampling-defaults openai` (the only mode, and the default here; SGLang's default `model` reads
+  generation_config.json): sampling settings a request leaves out get SGLang's neutral defaults.
+- `--tp-size` (`--tp`, `--tensor-parallel-size`): devices one model is split over; `--dp-size` must
+  be 1 (start one server per replica).
+- `--port 0` picks a free port; `--port-file` (ours) receives the bound port as soon as the socket is
+  bound. As SGLang, `/health` and `/health_generate` answer 503 until warm-up (compilation) is done.
+
+Older names still work: `--model` (`--model-path`), `--slots` (`--max-running-requests`),
+`--max-length` (`--context-length`) and `--seed` (`--random-seed`). Bad flags, checkpoints or
+tokenizers print `error: ...` and exit with status 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
 import sys
 
 from rstar_jax.errors import UserError
-from rstar_jax.rollout.server import serve
-from rstar_jax.train.builders import engine_for, serving_policy
-
-
-async def _serve(args) -> None:
-    model, mesh, eos, load_weights = await asyncio.to_thread(serving_policy, args.model, tp_size=args.tp_size,
-                                                             seed=args.seed)
-    engine = engine_for(model, mesh, slots=args.slots, max_length=args.max_length,
-                        max_total_tokens=args.max_total_tokens, page_size=args.page_size, seed=args.seed)
-    try:
-        await serve(engine, host=args.host, port=args.port, model_path=args.model, eos_token_ids=eos,
-                    load_weights=load_weights, tp_size=args.tp_size, port_file=args.port_file)
-    finally:
-        engine.close()
+from rstar_jax.train import serving
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m rstar_jax.serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="HF Qwen3 directory or preset name (random weights)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000, help="0 picks a free port")
-    parser.add_argument("--slots", type=int, default=8, help="decode slots (SGLang's max_running_requests)")
-    parser.add_argument("--max-length", type=int, default=2048, help="context length (prompt + output)")
-    parser.add_argument("--max-total-tokens", type=int, default=None,
-                        help="KV pool size in tokens (SGLang's max_total_num_tokens); default slots x max-length")
-    parser.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    parser.add_argument("--tp-size", type=int, default=1, help="devices the model is split over (tensor parallel)")
-    parser.add_argument("--port-file", help="write the bound port here once ready")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    args = serving.parser(__doc__.split("\n\n")[0]).parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    problems = serving.check(args)
     try:
+        if problems:
+            raise UserError("\n".join(problems))
         with contextlib.suppress(KeyboardInterrupt):
-            asyncio.run(_serve(args))
-    except (UserError, ValueError) as e:  # bad flags or a bad checkpoint: no traceback
-        print(f"error: {e}", file=sys.stderr)
+            asyncio.run(serving.run(args))
+    except (UserError, ValueError) as e:  # bad flags, checkpoint or tokenizer: no traceback
+        print("\n".join(f"error: {line}" for line in str(e).splitlines()), file=sys.stderr)
         sys.exit(2)
 
 

@@ -255,13 +255,17 @@ def test_the_client_classifies_failures_as_sglang_reports_them():
 
 
 @pytest.mark.slow
-def test_two_real_servers_one_killed_mid_step():
+def test_two_real_servers_one_killed_mid_step(tmp_path):
     """Two `python -m rstar_jax.serve` processes; one is SIGKILLed while it generates. The step
     completes on the other, every trajectory is accounted for, and the failure is counted. A prompt
     longer than the servers' context is a rejected, zero-reward trajectory."""
     from concurrent.futures import ThreadPoolExecutor
 
+    from flax import nnx
+
+    from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
     from rstar_jax.rollout.local_server import LocalServer
+    from rstar_jax.train.weight_sync import DiskSync, DistributedSync
 
     servers = [LocalServer("tiny", slots=4, max_length=256, max_total_tokens=2048, page_size=16)
                for _ in range(2)]
@@ -288,14 +292,24 @@ def test_two_real_servers_one_killed_mid_step():
             prompts = [(f"What is {k} times 7?", "42") for k in range(4)] + [("x" * 300, "42")]
             try:
                 trajectories = await Orchestrator(run_one, max_concurrency=16).collect(prompts, 4)
+                # The next weight sync goes to the server left, by either method.
+                model = Qwen3(Qwen3Config.tiny(), rngs=nnx.Rngs(5))
+                await DiskSync(generators, tmp_path / "weights", rotation=scheduler).push(model, 1)
+                distributed = DistributedSync(generators, rotation=scheduler)
+                try:
+                    await distributed.push(model, 2)
+                finally:
+                    await distributed.close()
+                versions = [await g.weight_version() for g in generators[1:]]
             finally:
                 killer.cancel()
                 for g in generators:
                     await g.close()
-            return trajectories, scheduler, generators, killed.is_set()
+            return trajectories, scheduler, generators, killed.is_set(), versions
 
         t0 = time.monotonic()
-        trajectories, scheduler, generators, killed = asyncio.run(step())
+        trajectories, scheduler, generators, killed, versions = asyncio.run(step())
+        assert versions == ["2"]
         assert killed, "the server was never busy enough to be killed mid-step"
         assert sorted((t.group_id, t.sample_index) for t in trajectories) == [(g, i) for g in range(5) for i in range(4)]
         assert scheduler.is_down(generators[0]) and not scheduler.is_down(generators[1])
@@ -312,3 +326,33 @@ def test_two_real_servers_one_killed_mid_step():
     finally:
         for s in servers:
             s.__exit__(None, None, None)
+
+
+def test_a_server_that_fails_its_weight_update_leaves_the_rotation(tmp_path):
+    from flax import nnx
+
+    from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
+    from rstar_jax.train.weight_sync import DiskSync
+
+    class Server:
+        def __init__(self, name, failing=False):
+            self.name, self.base_url, self.failing, self.ready, self.loaded = name, f"http://{name}", failing, True, []
+
+        async def update_weights_from_disk(self, path, *, abort_all_requests=False, weight_version=None):
+            if self.failing:
+                raise SGLangUnavailable(f"{self.base_url}/update_weights_from_disk: connection refused")
+            self.loaded.append(weight_version)
+
+    a, b, c = Server("a"), Server("b", failing=True), Server("c")
+    scheduler = RoundRobinScheduler([a, b, c])
+    scheduler.mark_down(c, "killed mid-step")
+    sync = DiskSync([a, b, c], tmp_path, rotation=scheduler)
+    model = Qwen3(Qwen3Config.tiny(num_layers=1), rngs=nnx.Rngs(0))
+    asyncio.run(sync.push(model, 1))
+    assert a.loaded == [1] and c.loaded == [] and sync.version == 1  # c was out; b failed and left
+    assert scheduler.is_down(b) and "connection refused" in scheduler.down[1]
+    asyncio.run(sync.push(model, 2))
+    assert a.loaded == [1, 2]
+    a.failing = True
+    with pytest.raises(SGLangUnavailable, match="connection refused"):  # the last one: the push fails
+        asyncio.run(sync.push(model, 3))

@@ -90,11 +90,18 @@ def test_bad_requests_name_the_field(server):
         ({"input_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
         ({"input_ids": [1], "sampling_params": {"stop": ["x"]}}, "sampling_params.stop"),
         ({"input_ids": [1], "sampling_params": {"bogus": 1}}, "unknown field"),
-        ({"text": "hi"}, "only input_ids"),
+        ({"text": "hi"}, "text needs a tokenizer"),
+        ({"input_ids": [1], "lora_path": "adapter"}, "lora_path"),
+        ({"input_ids": [1], "bogus": 1}, "unknown field(s) ['bogus']"),
+        ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len"),
+        ({"input_ids": [1], "return_text_in_logprobs": True}, "return_text_in_logprobs needs a tokenizer"),
     ]
     for body, message in cases:
         status, text = _http(server, "POST", "/generate", body)
         assert status == 400 and message in text, (body, text)
+    # The OpenAI routes need a tokenizer: this server (a preset model) has none, as --skip-tokenizer-init.
+    status, text = _http(server, "POST", "/v1/completions", {"model": "tiny", "prompt": "hi"})
+    assert status == 400 and "needs a tokenizer" in text
 
 
 def test_info_load_health_and_memory_endpoints(server):

@@ -33,6 +33,15 @@ logits at the sampled token, before top-p / top-k truncation; `original_logprobs
 logits' log-softmax (SGLANG_RETURN_ORIGINAL_LOGPROB). Greedy rows and temperature 1 give the raw
 log-softmax either way, which is what the trainer recomputes.
 
+Scoring (`score`): log-probs of given tokens and the top-k of each position's distribution, from
+one jitted full forward over the sequence (no KV cache), for SGLang's `input_token_logprobs` and
+`top_logprobs_num`. It runs beside the engine loop on the weights current at the call.
+
+Streaming: `generate(..., on_token=f)` calls f(token, logprob) on the caller's event loop for each
+token as it is sampled, before the call returns; f returning True ends the request (a stop string
+was found), which then returns with reason "abort" and may hold a few tokens sampled meanwhile. A
+cancelled `generate` (a client that went away) aborts exactly its own request at the next step.
+
 Weight updates (`update_weights`) follow SGLang's `/update_weights_from_disk`. By default the call
 stops admitting new requests, lets every running (and retracted) request finish on the old weights,
 swaps the parameters and bumps the version; queued requests then run on the new weights. With
@@ -58,7 +67,7 @@ import itertools
 import queue
 import threading
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +113,39 @@ def decode_step(graphdef, original_logprobs: bool, state, cache: PagedKVCache, p
     return cache, next_tokens, logprobs
 
 
+SCORE_CHUNK = 256  # positions unembedded at once when scoring: [chunk, vocab] logits live at a time
+
+
+def score_step(graphdef, top_k: int, state, ids, targets, temperature):
+    """The engine's scoring kernel (jitted with `graphdef` and `top_k` bound): ids, targets and
+    temperature [T] (zero padded at the end). Position t's distribution is log_softmax(logits[t] /
+    temperature[t]), that of the token after ids[t]. Returns (logprobs [T] of targets[t],
+    top_logprobs [T, top_k], top_ids [T, top_k])."""
+    model = nnx.merge(graphdef, state)
+    hidden = model.hidden_states(ids[None, :])[0]  # [T, D]: causal, so the padding changes nothing before it
+    t = ids.shape[0]
+    chunk = min(SCORE_CHUNK, t)
+    pad = -t % chunk
+    targets = jnp.pad(targets, (0, pad))
+    hidden = jnp.pad(hidden, ((0, pad), (0, 0)))
+    temperature = jnp.pad(temperature, (0, pad), constant_values=1.0)
+
+    def one_chunk(args):
+        h, target, temp = args
+        logp = jax.nn.log_softmax(model.logits_from_hidden(h[None])[0] / temp[:, None], axis=-1)
+        picked = jnp.take_along_axis(logp, target[:, None], axis=-1)[:, 0]
+        if top_k:
+            values, indices = jax.lax.top_k(logp, top_k)
+        else:
+            values, indices = jnp.zeros((chunk, 0), jnp.float32), jnp.zeros((chunk, 0), jnp.int32)
+        return picked, values, indices
+
+    n = (t + pad) // chunk
+    picked, values, indices = jax.lax.map(one_chunk, (hidden.reshape(n, chunk, -1), targets.reshape(n, chunk),
+                                                      temperature.reshape(n, chunk)))
+    return picked.reshape(-1)[:t], values.reshape(t + pad, top_k)[:t], indices.reshape(t + pad, top_k)[:t]
+
+
 def pool_sharding(mesh: jax.sharding.Mesh, kv_heads: int) -> jax.sharding.NamedSharding:
     """KV page pool [layers, pages, page_size, kv_heads, head_dim] placement: KV heads over "tensor"
     (as the attention activations are) when it divides. Any slot may own any page, so pages are not
@@ -126,6 +168,8 @@ class _Request:
     retractions: int = 0
     cached_tokens: int = 0  # context tokens whose KV came from the prefix cache at first admission
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
+    on_token: Callable[[int, float], bool | None] | None = None  # called on `loop` per sampled token
+    ended: bool = False  # its caller went away or asked to stop: aborted at the next step, whatever its rid
 
     @property
     def context_length(self) -> int:
@@ -146,6 +190,8 @@ class JaxEngine:
     prefill_batch: requests admitted in one step are prefilled together, this many rows per call
     (a lone request runs as one row, so there are two compiled shapes per prompt bucket).
     prefix_cache: keep finished requests' KV for requests that continue them (see the module docstring).
+    The attribute `on_first_token` (default None), if set, is called from the engine thread with each
+    request's seconds from submission to its first token, e.g. for a metrics histogram; it must be quick.
     """
 
     name = "jax"
@@ -205,10 +251,16 @@ class JaxEngine:
         self._stopped = False
         self._abort_rids: set[str] = set()
         self._original_logprobs = original_logprobs
+        self.original_logprobs = original_logprobs  # output log-probs at temperature 1 (see the module docstring)
         self._admission_blocks = 0  # > 0 while a weight update drains running requests
         self._pause_mode: str | None = None
         self._thread = threading.Thread(target=self._run, name="jax-engine", daemon=True)
         self._rid_counter = itertools.count()
+        self._cancel_pending = False  # some request was flagged `ended` since the last step
+        self.generated_tokens = 0  # tokens sampled so far (every request, aborted ones included)
+        self.on_first_token: Callable[[float], None] | None = None
+        self._score = functools.lru_cache(maxsize=None)(
+            lambda top_k: jax.jit(functools.partial(score_step, self._graphdef, top_k)))
         self._prefill = jax.jit(functools.partial(prefill_step, self._graphdef, original_logprobs), donate_argnums=(1,))
         self._decode = jax.jit(functools.partial(decode_step, self._graphdef, original_logprobs), donate_argnums=(1,))
         self.steps = 0
@@ -220,7 +272,16 @@ class JaxEngine:
     def version(self) -> int:
         return self._version
 
-    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None) -> GenerateResult:
+    @property
+    def model(self) -> Qwen3:
+        """The model generation runs on now (the parameters of the last weight update), in variables of
+        its own: changing them does not change the engine's."""
+        return nnx.merge(self._graphdef, self._state, copy=True)
+
+    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None, *,
+                       on_token: Callable[[int, float], bool | None] | None = None) -> GenerateResult:
+        """Generates from `input_ids`. `on_token(token, logprob)` (optional) runs on this event loop
+        for each token as it is sampled, all of them before this returns; True from it ends the request."""
         if self._stopped:
             raise RuntimeError("JaxEngine is closed")
         prompt = [int(t) for t in input_ids]
@@ -233,14 +294,51 @@ class JaxEngine:
         if len(sampling.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"generate: at most {MAX_STOP_IDS} stop token ids, got {len(sampling.stop_token_ids)}")
         loop = asyncio.get_running_loop()
-        request = _Request(rid or f"{next(self._rid_counter):016x}", prompt, sampling, loop.create_future(), loop)
+        request = _Request(rid or f"{next(self._rid_counter):016x}", prompt, sampling, loop.create_future(), loop,
+                           on_token=on_token)
         self._incoming.put(request)
         self._wake.set()
         try:
             return await asyncio.shield(request.future)
         except asyncio.CancelledError:
-            self._abort_rids.add(request.rid)  # free the slot; the caller is gone
+            self._end(request)  # the caller is gone: free the slot
             raise
+
+    def _end(self, request: _Request) -> None:
+        """Aborts this request (only: not every rid it prefixes) at the next engine step."""
+        request.ended = True
+        self._cancel_pending = True
+        self._wake.set()
+
+    def score(self, token_ids: Sequence[int], *, start: int = 1, top_k: int = 0,
+              temperature: Sequence[float] | float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Log-probs of token_ids[t] given token_ids[:t], for t in [start, len(token_ids)), from one
+        full forward on the current weights (blocking; call it from a worker thread).
+
+        temperature: one value, or one per scored position (SGLang scales the distributions behind
+        sampled tokens by the request's temperature, and reports prompt tokens at temperature 1).
+        Returns (logprobs [n], top_logprobs [n, top_k], top_ids [n, top_k]), n = len(token_ids) - start:
+        row i describes the distribution of position start + i."""
+        ids = [int(t) for t in token_ids]
+        n = len(ids) - start
+        if not 1 <= start < len(ids):
+            raise ValueError(f"score: start must be in [1, {len(ids)}), got {start}")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"score: token ids must lie in [0, {self.vocab_size})")
+        if not 0 <= top_k <= self.vocab_size:
+            raise ValueError(f"score: top_k must be in [0, {self.vocab_size}], got {top_k}")
+        inputs = ids[:-1]  # the last token is only ever a target
+        bucket = next((b for b in self.buckets if b >= len(inputs)), len(inputs))
+        padded, targets = np.zeros(bucket, np.int32), np.zeros(bucket, np.int32)
+        padded[:len(inputs)], targets[:len(inputs)] = inputs, ids[1:]
+        temps = np.ones(bucket, np.float32)
+        temps[start - 1:len(inputs)] = np.broadcast_to(np.asarray(temperature, np.float32), (n,))
+        # k rounded up to a power of two: a client asking for 3, then 5, reuses one compiled kernel.
+        k = min(1 << (top_k - 1).bit_length(), self.vocab_size) if top_k else 0
+        picked, values, indices = self._score(k)(self._state, jnp.asarray(padded), jnp.asarray(targets),
+                                                 jnp.asarray(temps))
+        rows = slice(start - 1, len(inputs))
+        return (np.asarray(picked)[rows], np.asarray(values)[rows, :top_k], np.asarray(indices)[rows, :top_k])
 
     async def abort(self, rid: str) -> None:
         """Aborts requests whose rid starts with `rid` (SGLang's prefix semantics); "" is ignored."""
@@ -461,22 +559,30 @@ class JaxEngine:
     def _drain_incoming(self) -> None:
         while True:
             try:
-                self._waiting.append(self._incoming.get_nowait())
+                request = self._incoming.get_nowait()
             except queue.Empty:
                 return
+            self._waiting.append(request)
+            if request.ended:  # ended before it was drained: its flag may have been cleared unseen
+                self._cancel_pending = True
 
     def _apply_aborts(self) -> None:
-        if not self._abort_rids:
+        if not self._abort_rids and not self._cancel_pending:
             return
+        self._cancel_pending = False  # cleared before the scan: a flag set during it is seen next step
         taken, self._abort_rids = self._abort_rids, set()  # swap: an add from another thread is never lost
-        prefixes = tuple(taken)
+        prefixes = tuple(taken)  # () matches no rid
+
+        def aborted(request: _Request) -> bool:
+            return request.ended or request.rid.startswith(prefixes)
+
         for slot, request in enumerate(self._active):
-            if request is not None and request.rid.startswith(prefixes):
+            if request is not None and aborted(request):
                 self._finish(slot, FINISH_ABORT)
         for waiting in (self._retracted, self._waiting):
-            kept = [r for r in waiting if not r.rid.startswith(prefixes)]
+            kept = [r for r in waiting if not aborted(r)]
             for request in waiting:
-                if request.rid.startswith(prefixes):
+                if aborted(request):
                     self._resolve(request, FINISH_ABORT)
             waiting.clear()
             waiting.extend(kept)
@@ -577,13 +683,26 @@ class JaxEngine:
             self._next_key(),
             jnp.asarray(seeds), jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k))
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        now = time.perf_counter()
         for row, (slot, request, _) in enumerate(group):
             self._active[slot] = request
             self._positions[slot] = lengths[row]
-            request.tokens.append(int(tokens[row]))
-            request.logprobs.append(float(logprobs[row]))
+            if not request.tokens and self.on_first_token is not None:
+                self.on_first_token(now - request.submitted)
+            self._append(request, int(tokens[row]), float(logprobs[row]))
             self._last_token[slot] = int(tokens[row])
             self._check_stop(slot)
+
+    def _append(self, request: _Request, token: int, logprob: float) -> None:
+        request.tokens.append(token)
+        request.logprobs.append(logprob)
+        self.generated_tokens += 1
+        if request.on_token is not None:  # queued before the result: the caller sees every token first
+            request.loop.call_soon_threadsafe(self._deliver, request, token, logprob)
+
+    def _deliver(self, request: _Request, token: int, logprob: float) -> None:  # on the request's loop
+        if request.on_token(token, logprob) and not request.ended:
+            self._end(request)
 
     def _grow_pages(self) -> None:
         """Gives every running request the page its next position needs, retracting when the pool is out."""
@@ -626,8 +745,7 @@ class JaxEngine:
         self._new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self._new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         for i in active:
             request = self._active[i]
-            request.tokens.append(int(tokens[i]))
-            request.logprobs.append(float(logprobs[i]))
+            self._append(request, int(tokens[i]), float(logprobs[i]))
             self._positions[i] += 1
             self._last_token[i] = tokens[i]
             self._check_stop(i)
