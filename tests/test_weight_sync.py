@@ -297,5 +297,6 @@ def test_rl_on_a_serve_server_with_the_distributed_weight_sync(tmp_path, tiny_ru
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     updated = [m["step"] for m in lines if m["update/skipped"] == 0]
     assert 1 in updated and "time/weight_sync_s" in lines[0]
+    assert {"time/weight_sync_export_s", "time/weight_sync_transfer_s", "time/weight_sync_group_s"} <= set(lines[0])
     versions = {r["policy_version"] for r in iter_rollouts(run) if r["step"] == 2 and r["num_sampled_tokens"]}
     assert versions == {1}  # sampled by the weights broadcast after step 1's update

@@ -170,6 +170,8 @@ class RLTrainer:
         metrics = self.update(trajectories, step=step)
         if not metrics["update/skipped"]:
             metrics["time/weight_sync_s"] = await self.sync_weights(step + 1)
+            # Server syncs split it: the trainer's export, the transfer, forming the group.
+            metrics.update({f"time/weight_sync_{k}": v for k, v in getattr(self.weight_sync, "timings", {}).items()})
         stats = rollout_stats(trajectories)
         sandbox_s = float(sum(t.tool_seconds for t in trajectories))
         metrics.update({f"rollout/{k}": v for k, v in stats.items()})
