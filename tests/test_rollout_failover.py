@@ -224,7 +224,7 @@ def test_the_client_classifies_failures_as_sglang_reports_them():
                           "err_type": "BadRequestError"}
                 return web.json_response({"output_ids": [], "meta_info": {"finish_reason": finish,
                                                                           "output_token_logprobs": []}})
-            await asyncio.sleep(5)
+            await asyncio.sleep(1)  # past the client's 0.3 s; the runner's cleanup waits for it
             return web.json_response({})
 
         app = web.Application()
