@@ -104,8 +104,11 @@ def test_rl_mode_runs_two_steps_with_the_real_sandbox_and_engine(tmp_path):
 
 def test_rl_on_two_serve_servers_behind_the_kv_scheduler(tmp_path, tiny_run_dir):
     """The sglang backend end to end: the launcher starts two `rstar_jax.serve` processes from the
-    policy, places trajectories with the KV scheduler, and after each update exports the weights and
-    loads them with /update_weights_from_disk; later trajectories report the new weight version."""
+    policy, places trajectories with the KV scheduler, and after each update broadcasts the weights
+    to both over gloo (`weight_sync.method=distributed`, one group, a rank per server); later
+    trajectories report the new weight version. (The disk sync, the default, is the same
+    `builders.weight_sync` choice, tested against real servers in test_serve.py and
+    test_rollout_failover.py.)"""
     import json
 
     from rstar_jax.rollout.records import iter_rollouts
@@ -116,16 +119,20 @@ def test_rl_on_two_serve_servers_behind_the_kv_scheduler(tmp_path, tiny_run_dir)
     result = _launch(f"--config.run_dir={run}", f"--config.model.hf_path={tiny_run_dir / 'hf' / 'sft_warmup'}",
                      *TINY_TEST_TASK, "--config.sft.before_rl=False", "--config.train.steps=2", "--config.data.shuffle_seed=3",
                      "--config.rollout.backend=sglang",
-                     "--config.rollout.local_servers=2", "--config.metrics.progress_bar=false", cwd=tmp_path,
+                     "--config.rollout.local_servers=2", "--config.weight_sync.method=distributed",
+                     "--config.weight_sync.dtype=bfloat16", "--config.metrics.progress_bar=false", cwd=tmp_path,
                      env=env_one_device)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("http://127.0.0.1:") == 2 and "[rl] done" in result.stdout
+    assert "[rl] weight sync: torch.distributed gloo broadcast (bfloat16, mode wait) to 2 server(s)" in result.stdout
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2]
     admitted = [lines[-1][f"scheduler/admitted_{i}"] for i in range(2)]
     assert sum(admitted) == 2 * 4 * 8 and min(admitted) > 0
     updated = [m["step"] for m in lines if m["update/skipped"] == 0]
     assert updated and all("time/weight_sync_s" in lines[s - 1] for s in updated)
+    split = {"time/weight_sync_export_s", "time/weight_sync_transfer_s", "time/weight_sync_group_s"}
+    assert all(split <= set(lines[s - 1]) for s in updated)
     assert (run / "weights_sync" / "model.safetensors").exists()
     # Trajectories of the step after the first update were sampled by the updated weights.
     first = updated[0]
