@@ -23,8 +23,8 @@ takes well under a minute of wall time instead of GPU-hours:
   (see `paper_workload` for the figures and assumptions), groups of 2G = 32 rollouts per prompt.
 - Policies: `static` (RoundRobinScheduler, all trajectories submitted at once, tool calls as soon as
   a turn ends), `static-sync` (the same placement with a per-turn barrier per engine: the verl v0.2
-  baseline the paper measured) and `dynamic` (KvScheduler with a pluggable reservation, by default
-  the worst case prompt + response budget).
+  baseline the paper measured) and `dynamic` (KvScheduler as the rollout loop drives it: a session
+  per trajectory, a turn at a time; `--reservation worst-case` for the paper's worst-case rule).
 
 Scales:
 - `--scale small` mirrors `benchmarks/rollout_balance.py` (2 servers, its slots, pools and workload
@@ -864,20 +864,11 @@ def small_workload(trajectories: int, *, budget: int, prompt_len: int, observati
 
 
 # -- policies ------------------------------------------------------------------------------------
-Reservation = Callable[[TrajectoryPlan, int], int]
+from rstar_jax.rollout.scheduler import RESERVATIONS  # noqa: E402
 
 
-def worst_case_reservation(plan: TrajectoryPlan, budget: int) -> int:
-    """The KV a trajectory may ever hold: prompt + the whole response budget (what
-    rstar_jax.rollout.loop.run_trajectory and rollout_balance.py lease)."""
-    return plan.prompt + budget
-
-
-RESERVATIONS: dict[str, Reservation] = {"worst-case": worst_case_reservation}
-
-
-def kv_scheduler(generators: Sequence[SimEngine], budget_fraction: float) -> KvScheduler:
-    return KvScheduler(generators, budget_fraction=budget_fraction)
+def kv_scheduler(generators: Sequence[SimEngine], budget_fraction: float, reservation: str = "expected") -> KvScheduler:
+    return KvScheduler(generators, budget_fraction=budget_fraction, reservation=reservation)
 
 
 @dataclasses.dataclass
@@ -932,13 +923,16 @@ def _observe(plan: TrajectoryPlan, k: int, response: int, *, budget: int, exact_
     return response + plan.observations[k]
 
 
-async def run_leased(plan: TrajectoryPlan, scheduler, *, budget: int, exact_max_new: bool, reserve: Reservation,
-                     tally: _Tally) -> None:
-    """A trajectory as run_trajectory drives it: one lease for its life, each tool call as soon as its turn ends."""
-    async with scheduler.lease(plan.tid, reserve(plan, budget)) as gen:
+async def run_session(plan: TrajectoryPlan, scheduler, *, budget: int, exact_max_new: bool, tally: _Tally) -> None:
+    """A trajectory as run_trajectory drives it: a session for its life, a generator from it per
+    turn, each tool call as soon as its turn ends."""
+    async with scheduler.trajectory(plan.tid, group=plan.group) as session:
         response = 0
         for k in range(len(plan.turns)):
-            result = await _turn(gen, plan, k, response, budget=budget, exact_max_new=exact_max_new, tally=tally)
+            max_new = plan.turns[k] if exact_max_new else budget - response
+            async with session.turn(plan.prompt + response, max_new) as gen:
+                result = await _turn(gen, plan, k, response, budget=budget, exact_max_new=exact_max_new, tally=tally)
+                session.record(len(result.token_ids))
             response += len(result.token_ids)
             if not _continues(plan, k, result, response, budget=budget, exact_max_new=exact_max_new, tally=tally):
                 break
@@ -984,7 +978,7 @@ class PolicyResult:
     makespan: float  # simulated seconds until the last trajectory ended
     idle_fraction: float  # engine-time with nothing running or prefilling, before the makespan
     retractions: int
-    queue_mean: float  # trajectories waiting for a lease + requests waiting in engine queues (sampled)
+    queue_mean: float  # trajectories waiting to start + requests waiting in engine queues (sampled)
     queue_peak: int
     tokens: int
     finished: int
@@ -999,12 +993,12 @@ class PolicyResult:
 
 def simulate(policy: str, plans: Sequence[TrajectoryPlan], engines: Sequence[tuple[int, int]], profile: Profile, *,
              budget: int, context_length: int | None = None, exact_max_new: bool = False,
-             budget_fraction: float = 0.8, reserve: Reservation = worst_case_reservation,
-             make_scheduler: Callable[[Sequence[SimEngine], float], object] = kv_scheduler,
+             budget_fraction: float = 1.0, reservation: str = "expected",
+             make_scheduler: Callable[..., object] = kv_scheduler,
              sample_interval: float = 1.0, reconcile_interval: float = 0.0) -> PolicyResult:
     """Runs every trajectory of `plans` under `policy` on engines of (pool tokens, max running) in
-    virtual time. `reserve` and `make_scheduler` define the dynamic policy (the reservation a
-    trajectory leases, and the scheduler over the simulated generators); `reconcile_interval` > 0
+    virtual time. `make_scheduler(generators, budget_fraction, reservation)` builds the dynamic
+    policy's scheduler over the simulated generators; `reconcile_interval` > 0
     calls the scheduler's `reconcile()` that often (simulated seconds)."""
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -1014,7 +1008,7 @@ def simulate(policy: str, plans: Sequence[TrajectoryPlan], engines: Sequence[tup
         gens = [SimEngine(f"engine{i}", profile, pool_tokens=pool, max_running=slots, context_length=context_length)
                 for i, (pool, slots) in enumerate(engines)]
         scheduler = (RoundRobinScheduler(gens) if policy == "static"
-                     else make_scheduler(gens, budget_fraction) if policy == "dynamic" else None)
+                     else make_scheduler(gens, budget_fraction, reservation) if policy == "dynamic" else None)
         tally, samples = _Tally(), []
 
         async def sample():
@@ -1035,8 +1029,8 @@ def simulate(policy: str, plans: Sequence[TrajectoryPlan], engines: Sequence[tup
                                                         exact_max_new=exact_max_new, tally=tally)
                                    for i, g in enumerate(gens)))
         else:
-            await asyncio.gather(*(run_leased(p, scheduler, budget=budget, exact_max_new=exact_max_new,
-                                              reserve=reserve, tally=tally) for p in plans))
+            await asyncio.gather(*(run_session(p, scheduler, budget=budget, exact_max_new=exact_max_new,
+                                               tally=tally) for p in plans))
         makespan = loop.time()
         for task in helpers:
             task.cancel()
@@ -1196,7 +1190,7 @@ def build(args) -> tuple[list[TrajectoryPlan], list[tuple[int, int]], Profile, d
         plans = paper_workload(args.prompts, args.group, budget=args.budget, max_turns=args.max_turns,
                                seed=args.seed, mean_length=args.mean_length, truncated=args.truncation)
         options = dict(exact_max_new=False)
-    options.update(budget=args.budget, budget_fraction=args.budget_fraction, reserve=RESERVATIONS[args.reserve],
+    options.update(budget=args.budget, budget_fraction=args.budget_fraction, reservation=args.reservation,
                    sample_interval=args.sample_interval, reconcile_interval=args.reconcile_interval)
     return plans, engines, profile, options
 
@@ -1253,9 +1247,10 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
                              "simulate --scale small with it")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget", type=int, help="response budget per trajectory (tokens)")
-    parser.add_argument("--budget-fraction", type=float, default=0.8, help="KvScheduler's alpha")
-    parser.add_argument("--reserve", choices=sorted(RESERVATIONS), default="worst-case",
-                        help="what a trajectory reserves under the dynamic policy")
+    parser.add_argument("--budget-fraction", type=float, default=1.0, help="KvScheduler's alpha")
+    parser.add_argument("--reservation", choices=RESERVATIONS, default="expected",
+                        help="what a turn reserves under the dynamic policy: its context plus the expected "
+                             "output, or plus its whole max_new_tokens")
     parser.add_argument("--reconcile-interval", type=float, default=0.0,
                         help="simulated seconds between KvScheduler.reconcile() calls (0: never after the first)")
     parser.add_argument("--pool", help="KV pool tokens per engine, comma-separated (one value: every engine; "

@@ -82,6 +82,15 @@ def get_config() -> ml_collections.ConfigDict:
     # SGLang-compatible server) from the policy and stop them with the run; servers = () then.
     c.rollout.local_servers = 0
     c.rollout.scheduler = "kv"  # spec §4.1: KV-cache-aware load balancing | "round_robin"
+    # The "kv" scheduler (rstar_jax/rollout/scheduler.py; benchmarks/rollout_sim.py measures it): a
+    # turn reserves its context plus new_token_ratio x its expected output ("expected"; "worst-case":
+    # its whole remaining budget) on a server, up to budget_fraction of the server's KV pool; the
+    # servers' reported use is read every reconcile_interval_s seconds (0: only before the first turn).
+    c.rollout.kv_scheduler = ml_collections.ConfigDict()
+    c.rollout.kv_scheduler.reservation = "expected"
+    c.rollout.kv_scheduler.new_token_ratio = 0.65
+    c.rollout.kv_scheduler.budget_fraction = 1.0
+    c.rollout.kv_scheduler.reconcile_interval_s = 10.0
     c.rollout.rollouts_per_prompt = 32  # spec §5.3: 32 rollouts per prompt, RoC keeps 16
     c.rollout.temperature = 1.0  # spec §5.3: rollout temperature 1.0
     c.rollout.top_p = 1.0  # spec §5.3: verl default

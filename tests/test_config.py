@@ -171,6 +171,12 @@ def test_tiny_config_describes_a_tiny_model():
     ({"data.answer_key": "a..b"}, r"config.data.answer_key: must be 'auto' or a dotted path"),
     ({"data.synthetic.kinds": ("nope",)}, r"config.data.synthetic.kinds: unknown kind 'nope'"),
     ({"optim.schedule": "linear"}, r"config.optim.schedule: must be one of \('constant', 'cosine', 'wsd'\)"),
+    ({"rollout.kv_scheduler.reservation": "best"}, r"config.rollout.kv_scheduler.reservation: must be one of "
+                                                   r"\('expected', 'worst-case'\)"),
+    ({"rollout.kv_scheduler.new_token_ratio": 0.0}, r"config.rollout.kv_scheduler.new_token_ratio: must be in \(0"),
+    ({"rollout.kv_scheduler.budget_fraction": 1.5}, r"config.rollout.kv_scheduler.budget_fraction: must be in \(0"),
+    ({"rollout.kv_scheduler.reconcile_interval_s": -1.0}, r"config.rollout.kv_scheduler.reconcile_interval_s: "
+                                                          r"must be in \[0, inf\], got -1.0"),
     ({"sft.decay_ratio": 0.0}, r"config.sft.decay_ratio: must be in \(0, 1\], got 0.0"),
     ({"rollout.ready_timeout_s": 0}, r"config.rollout.ready_timeout_s: must be > 0, got 0"),
     ({"checkpoint.export_dtype": "int8"}, r"config.checkpoint.export_dtype: must be '' \(the model's param_dtype\)"),

@@ -188,14 +188,22 @@ def test_a_generator_that_cannot_report_its_capacity_leaves_the_rotation():
 
     async def waiting_trajectories_fail_when_the_last_generator_goes():
         solo = ScriptModel("solo")
-        kv = KvScheduler([solo], capacities=[100])
-        async with kv.lease("t1", 80):
-            waiting = asyncio.ensure_future(kv.lease("t2", 80).__aenter__())
-            await asyncio.sleep(0.01)
-            assert kv.queued == 1
-            kv.mark_down(solo, "killed")
-            with pytest.raises(GeneratorUnavailable, match="solo: killed"):
-                await waiting
+        kv = KvScheduler([solo], capacities=[100], reservation="worst-case")
+
+        async def turn(tid):
+            async with kv.trajectory(tid) as session, session.turn(20, 60):
+                await asyncio.sleep(3600)
+
+        running = asyncio.ensure_future(turn("t1"))
+        await asyncio.sleep(0.01)
+        waiting = asyncio.ensure_future(turn("t2"))
+        await asyncio.sleep(0.01)
+        assert kv.queued == 1
+        kv.mark_down(solo, "killed")
+        with pytest.raises(GeneratorUnavailable, match="solo: killed"):
+            await waiting
+        running.cancel()
+        await asyncio.gather(running, return_exceptions=True)
 
     asyncio.run(waiting_trajectories_fail_when_the_last_generator_goes())
 

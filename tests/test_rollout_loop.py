@@ -216,35 +216,50 @@ def test_paper_counting_beside_release_counting():
 
 
 class RecordingScheduler:
+    """Records the session and each turn's request to the scheduler, and what was recorded back."""
+
     def __init__(self, generator):
         self.generator = generator
-        self.leases = []
+        self.sessions, self.turns, self.records = [], [], []
         self.held = 0
 
-    def lease(self, trajectory_id, reserve_tokens):
+    @contextlib.asynccontextmanager
+    async def trajectory(self, trajectory_id, *, group=None):
+        self.sessions.append((trajectory_id, group))
         scheduler = self
 
-        class _Lease:
-            async def __aenter__(self):
-                scheduler.leases.append((trajectory_id, reserve_tokens))
+        class Session:
+            @contextlib.asynccontextmanager
+            async def turn(self, context_tokens, max_new_tokens):
+                scheduler.turns.append((context_tokens, max_new_tokens))
                 scheduler.held += 1
-                return scheduler.generator
+                try:
+                    yield scheduler.generator
+                finally:
+                    scheduler.held -= 1
 
-            async def __aexit__(self, *exc):
-                scheduler.held -= 1
+            def record(self, generated_tokens, *, complete=True):
+                scheduler.records.append((generated_tokens, complete))
 
-        return _Lease()
+        yield Session()
+
+    def mark_down(self, generator, reason):
+        raise AssertionError(f"unexpected mark_down: {reason}")
 
 
-def test_scheduler_lease_held_for_the_whole_trajectory():
+def test_scheduler_session_asks_turn_by_turn_and_learns_each_turns_length():
     turns = [call("print(1)") + IM_END, "</reason><answer>\\boxed{42}</answer>" + IM_END]
     gen = ScriptedGenerator({"Q": turns})
     sched = RecordingScheduler(gen)
     cfg = LoopConfig(max_turns=5, response_budget=1000)
     traj = asyncio.run(run_trajectory(None, TOK, FakeExecutor(), "Q", "42", config=cfg, scorer=exact_scorer,
-                                      scheduler=sched))
-    assert len(sched.leases) == 1 and sched.held == 0 and gen.calls == 2
-    assert sched.leases[0][1] == len(traj.prompt_ids) + 1000
+                                      scheduler=sched, group_id=7))
+    assert len(sched.sessions) == 1 and sched.sessions[0][1] == 7 and sched.held == 0 and gen.calls == 2
+    first = [i for i, m in enumerate(traj.loss_mask) if not m][0]  # the first observation token
+    prompt = len(traj.prompt_ids)
+    assert sched.turns == [(prompt, 1000), (prompt + first + traj.loss_mask[first:].count(0), 1000 - first
+                                             - traj.loss_mask[first:].count(0))]
+    assert sched.records == [(first, True), (len(traj.response_ids) - sched.turns[1][0] + prompt, True)]
     with pytest.raises(ValueError, match="generator or a scheduler"):
         asyncio.run(run_trajectory(None, TOK, FakeExecutor(), "Q", "42", config=cfg, scorer=exact_scorer))
 

@@ -79,12 +79,11 @@ def test_virtual_clock_jumps_instead_of_sleeping(sim):
 
 
 def test_long_simulated_workload_finishes(sim, h100):
-    """One engine whose pool holds a single worst-case reservation: the dynamic policy runs the 32
-    trajectories one after another, well over 1000 simulated seconds, and the test still takes seconds."""
+    """One engine whose pool holds one worst-case turn at a time: the dynamic policy runs the 32
+    trajectories' turns one after another, well over 1000 simulated seconds, and the test still takes seconds."""
     plans = sim.paper_workload(1, 32, budget=8192, max_turns=10, seed=0)
-    reservation = max(sim.worst_case_reservation(p, 8192) for p in plans)
-    pool = int(1.5 * reservation / 0.8)
-    result = sim.simulate("dynamic", plans, [(pool, 64)], h100, budget=8192)
+    pool = int(1.5 * (max(p.prompt for p in plans) + 8192))
+    result = sim.simulate("dynamic", plans, [(pool, 64)], h100, budget=8192, reservation="worst-case")
     assert result.finished == 32 and result.makespan > 1000
     assert result.peak_running == [1]
 
@@ -98,15 +97,23 @@ def test_retractions_when_the_pool_is_tiny(sim, h100):
 def test_dynamic_policy_drives_the_kv_scheduler(sim, h100):
     made = []
 
-    def make(gens, fraction):
-        made.append(KvScheduler(gens, budget_fraction=fraction))
+    def make(gens, fraction, reservation):
+        made.append(KvScheduler(gens, budget_fraction=fraction, reservation=reservation))
         return made[-1]
 
     plans = sim.paper_workload(2, 8, budget=4096, max_turns=10, seed=4)
-    sim.simulate("dynamic", plans, [(30000, 64)] * 2, h100, budget=4096, make_scheduler=make, budget_fraction=0.5)
+    result = sim.simulate("dynamic", plans, [(30000, 64)] * 2, h100, budget=4096, make_scheduler=make,
+                          budget_fraction=0.5)
     scheduler = made[0]
-    assert sum(scheduler.admitted_per_generator()) == len(plans)
-    assert all(ledger.peak_reserved <= 15000 and ledger.reserved == 0 for ledger in scheduler.ledgers)
+    assert sum(scheduler.admitted_per_generator()) == len(plans) and result.finished == len(plans)
+    assert len(plans) < scheduler.turns <= sum(len(p.turns) for p in plans)  # turn by turn
+    assert placed_together(plans, scheduler)
+    assert all((ledger.reserved, ledger.parked, ledger.running) == (0, 0, 0) for ledger in scheduler.ledgers)
+
+
+def placed_together(plans, scheduler) -> bool:
+    """Each group's trajectories started on one engine (two groups of 8 fit one engine's budget each)."""
+    return sorted(scheduler.admitted_per_generator()) == [8, 8]
 
 
 def test_engine_prefix_cache_stop_length_and_abort(sim, h100):

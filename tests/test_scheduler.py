@@ -1,4 +1,6 @@
-"""KvScheduler: capacity is never exceeded, no queued trajectory starves, leases are released on every exit."""
+"""KvScheduler: turns admitted only where they fit (or on an idle generator), nothing starves, every
+reservation and parked prefix is released on every exit; expected-use estimates, parking, group
+co-location and rebalancing as documented; RoundRobinScheduler is static."""
 
 import asyncio
 
@@ -6,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rstar_jax.rollout.protocol import Capacity, GenerateResult, Scheduler
-from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler
+from rstar_jax.rollout.protocol import Capacity, GenerateResult, RequestRejected, Scheduler
+from rstar_jax.rollout.scheduler import INITIAL_NEW_TOKEN_RATIO, KvScheduler, RoundRobinScheduler
 
 
 class FakeGenerator:
@@ -32,134 +34,222 @@ def test_schedulers_implement_the_protocol():
     assert isinstance(KvScheduler(gens), Scheduler) and isinstance(RoundRobinScheduler(gens), Scheduler)
 
 
-class RecordingScheduler(KvScheduler):
-    """Records the order in which reservations are granted (a granted waiter resumes later)."""
+class CheckingScheduler(KvScheduler):
+    """Checks every grant: a trajectory starts only where its first turn fits (a turn larger than one
+    rank's share only where nothing is reserved); a started one goes on at its home unless it moves."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.grants = []
+        self.starts = 0
 
-    def _grant(self, index, trajectory_id, tokens):
-        self.grants.append(int(trajectory_id[1:]))
-        super()._grant(index, trajectory_id, tokens)
+    def _grant(self, turn, index):
+        if turn.trajectory.home is None:
+            assert min(self._footprint(turn), self.largest_request(index)) <= self.free(index)
+            self.starts += 1
+        else:
+            assert index == turn.trajectory.home or self.free(turn.trajectory.home) < 0
+        super()._grant(turn, index)
 
 
 @settings(max_examples=40, deadline=None)
-@given(capacities=st.lists(st.integers(100, 1000), min_size=1, max_size=4),
-       jobs=st.lists(st.tuples(st.floats(0.01, 1.0), st.integers(0, 6)), min_size=1, max_size=40),
-       fraction=st.sampled_from([0.5, 0.9, 1.0]))
-def test_reservations_never_exceed_capacity_and_nothing_starves(capacities, jobs, fraction):
-    """Random worst-case sizes (as a share of the largest budget) and hold times (event-loop turns)."""
+@given(capacities=st.lists(st.integers(700, 3000), min_size=1, max_size=4),
+       trajectories=st.lists(st.lists(st.tuples(st.integers(1, 300), st.integers(0, 4)), min_size=1, max_size=4),
+                             min_size=1, max_size=30),
+       fraction=st.sampled_from([0.5, 0.9, 1.0]), reservation=st.sampled_from(["expected", "worst-case"]),
+       groups=st.integers(1, 4))
+def test_trajectories_start_where_they_fit_nothing_starves_and_everything_is_released(capacities, trajectories, fraction,
+                                                                           reservation, groups):
+    """Random trajectories of turns (tokens generated, event-loop turns spent in the tool call after it)."""
     gens = [FakeGenerator(f"g{i}", c) for i, c in enumerate(capacities)]
-    scheduler = RecordingScheduler(gens, budget_fraction=fraction)
-    largest = max(int(fraction * c) for c in capacities)
-    arrival, admission = [], []
+    scheduler = CheckingScheduler(gens, budget_fraction=fraction, reservation=reservation)
+    prompt, budget = 50, 600
+    done = []
 
-    def check():
-        for i, ledger in enumerate(scheduler.ledgers):
-            assert 0 <= ledger.reserved <= scheduler.budget(i)
-
-    async def trajectory(j, share, hold):
-        tokens = max(1, int(share * largest))
-        arrival.append(j)
-        async with scheduler.lease(f"t{j:04d}", tokens) as gen:
-            admission.append(j)
-            check()
-            assert tokens <= scheduler.budget(gens.index(gen))
-            for _ in range(hold):
-                await asyncio.sleep(0)
-                check()
-
-    async def run():
-        # Every job must finish: a starved one would hit the timeout.
-        await asyncio.wait_for(asyncio.gather(*(trajectory(j, s, h) for j, (s, h) in enumerate(jobs))), 20)
-
-    asyncio.run(run())
-    assert sorted(admission) == list(range(len(jobs)))
-    assert scheduler.grants == arrival  # FIFO: no queued trajectory is overtaken
-    assert all(ledger.reserved == 0 and ledger.leases == 0 for ledger in scheduler.ledgers)
-
-
-def test_most_free_budget_first_sticky_and_queueing():
-    gens = [FakeGenerator("a", 1000), FakeGenerator("b", 600)]
-    scheduler = KvScheduler(gens, budget_fraction=1.0)
+    async def trajectory(j, turns):
+        async with scheduler.trajectory(f"t{j:04d}", group=j % groups) as session:
+            context = prompt
+            for generated, tool in turns:
+                remaining = prompt + budget - context
+                if remaining < 1:
+                    break
+                async with session.turn(context, remaining):
+                    await asyncio.sleep(0)
+                    session.record(min(generated, remaining))
+                context += min(generated, remaining) + 10  # an observation
+                for _ in range(tool):
+                    await asyncio.sleep(0)
+        done.append(j)
 
     async def run():
-        async with scheduler.lease("t1", 500) as g1:
-            assert g1 is gens[0]  # 1000 free vs 600
-            async with scheduler.lease("t2", 400) as g2:
-                assert g2 is gens[1]  # 500 vs 600
-                blocked = asyncio.ensure_future(_hold(scheduler, "t3", 550))
-                await asyncio.sleep(0.01)
-                assert not blocked.done() and scheduler.queued == 1  # 500 and 200 free: fits nowhere
-            assert await blocked is gens[1]  # t2 released: 600 free on b
-        async with scheduler.lease("t2", 100) as again:
-            assert again is gens[1]  # sticky: t2 returns to the generator it ran on
+        # Every trajectory must finish: a starved one would hit the timeout.
+        await asyncio.wait_for(asyncio.gather(*(trajectory(j, t) for j, t in enumerate(trajectories))), 20)
 
     asyncio.run(run())
+    assert sorted(done) == list(range(len(trajectories)))
+    assert all((ledger.reserved, ledger.parked, ledger.running) == (0, 0, 0) for ledger in scheduler.ledgers)
+    assert scheduler.queued == 0 and scheduler.admitted == len(trajectories) <= scheduler.starts
 
 
-async def _hold(scheduler, tid, tokens):
-    async with scheduler.lease(tid, tokens) as gen:
+async def _turn(scheduler, tid, context, max_new, *, generated=None, hold=None, group=None):
+    """One trajectory with one turn; returns the generator it ran on."""
+    async with scheduler.trajectory(tid, group=group) as session, session.turn(context, max_new) as gen:
+        if hold is not None:
+            await hold.wait()
+        session.record(max_new if generated is None else generated)
         return gen
+
+
+def test_expected_use_estimates_from_each_trajectorys_own_turns():
+    gens = [FakeGenerator("a", 100_000)]
+    scheduler = KvScheduler(gens, new_token_ratio=0.5)
+
+    async def run():
+        async with scheduler.trajectory("t") as session:
+            assert scheduler.estimate("t", 1000) == round(0.5 * INITIAL_NEW_TOKEN_RATIO * 1000)
+            async with session.turn(100, 1000):
+                assert scheduler.ledgers[0].reserved == 100 + 350
+                session.record(300)
+            assert scheduler.estimate("t", 1000) == 150  # half its mean turn
+            # Between turns: its context stays claimed with its expected next turn.
+            assert scheduler.ledgers[0].parked == scheduler.ledgers[0].reserved == 400 + 150
+            async with session.turn(450, 550):
+                assert scheduler.ledgers[0].reserved == 450 + 150 and scheduler.ledgers[0].parked == 0
+                session.record(100)
+            assert scheduler.estimate("t", 1000) == 100 and scheduler.ledgers[0].parked == 550 + 100
+        assert scheduler.ledgers[0].reserved == 0 and scheduler.ledgers[0].parked == 0
+        worst = KvScheduler(gens, reservation="worst-case")
+        assert worst.estimate("x", 1000) == 1000
+
+    asyncio.run(run())
+
+
+def test_most_free_first_waiting_parking_and_sticky_homes():
+    gens = [FakeGenerator("a", 1000), FakeGenerator("b", 600)]
+    scheduler = KvScheduler(gens, reservation="worst-case")
+
+    async def run():
+        release = asyncio.Event()
+        t1 = asyncio.ensure_future(_turn(scheduler, "t1", 100, 400, generated=50, hold=release))
+        await asyncio.sleep(0.01)
+        async with scheduler.trajectory("t2") as t2:
+            async with t2.turn(100, 300) as g2:
+                assert g2 is gens[1]  # 500 free on a vs 600 on b
+                blocked = asyncio.ensure_future(_turn(scheduler, "t3", 100, 450))
+                await asyncio.sleep(0.01)
+                assert not blocked.done() and scheduler.queued == 1  # 550 fits neither 500 nor 200
+                t2.record(50)
+            assert scheduler.ledgers[1].parked == 150 + 250  # its prefix and (worst case) its next turn
+            await asyncio.sleep(0.01)
+            assert not blocked.done()
+            release.set()  # t1 ends: a is free again
+            assert await t1 is gens[0] and await blocked is gens[0]
+            async with t2.turn(500, 500) as again:
+                # sticky: b holds its prefix; a started trajectory goes on at home, past its budget if it must
+                assert again is gens[1] and scheduler.free(1) < 0 and scheduler.moves == 0
+        assert [ledger.reserved for ledger in scheduler.ledgers] == [0, 0]
+
+    asyncio.run(run())
+
+
+def test_a_group_goes_where_its_first_trajectory_went_when_it_fits():
+    gens = [FakeGenerator("a", 1000), FakeGenerator("b", 1000)]
+    scheduler = KvScheduler(gens, reservation="worst-case")
+
+    async def run():
+        hold = asyncio.Event()
+        first = asyncio.ensure_future(_turn(scheduler, "g0-0", 100, 100, hold=hold, group=0))
+        await asyncio.sleep(0.01)
+        # a holds 200 and b nothing, yet the group's second rollout joins the first (its prompt is there)
+        second = asyncio.ensure_future(_turn(scheduler, "g0-1", 100, 100, hold=hold, group=0))
+        other = asyncio.ensure_future(_turn(scheduler, "g1-0", 100, 100, hold=hold, group=1))
+        await asyncio.sleep(0.01)
+        hold.set()
+        return await first, await second, await other
+
+    first, second, other = asyncio.run(run())
+    assert first is second is gens[0] and other is gens[1]
+
+
+def test_an_overloaded_generators_turn_moves_where_it_fits():
+    gens = [FakeGenerator("a", 1000), FakeGenerator("b", 1000)]
+    scheduler = KvScheduler(gens, reservation="worst-case")
+
+    async def run():
+        async with scheduler.trajectory("t") as session:
+            async with session.turn(100, 200) as home:
+                session.record(100)
+            gens[0].used = 1100  # another client fills a: it is overloaded
+            await scheduler.reconcile()
+            assert home is gens[0] and scheduler.free(0) < 0
+            async with session.turn(210, 100) as moved:
+                assert moved is gens[1] and scheduler.moves == 1 and scheduler.ledgers[1].moved_in == 1
+                assert scheduler.ledgers[0].parked == 0  # its prefix on a was given up
+
+    asyncio.run(run())
 
 
 def test_release_on_exception_and_cancellation():
     gens = [FakeGenerator("a", 100)]
-    scheduler = KvScheduler(gens, budget_fraction=1.0)
+    scheduler = KvScheduler(gens, reservation="worst-case")
 
     async def run():
         with pytest.raises(RuntimeError, match="boom"):
-            async with scheduler.lease("t1", 80):
+            async with scheduler.trajectory("t1") as session, session.turn(20, 60):
                 raise RuntimeError("boom")
-        assert scheduler.ledgers[0].reserved == 0
-        async with scheduler.lease("t2", 80):
-            waiting = asyncio.ensure_future(_hold(scheduler, "t3", 80))
-            behind = asyncio.ensure_future(_hold(scheduler, "t4", 10))
-            await asyncio.sleep(0.01)
-            waiting.cancel()  # the blocking head leaves the queue; t4 may now go in
-            assert await behind is gens[0]
-        running = asyncio.ensure_future(_hold_forever(scheduler, "t5", 90))
+        assert scheduler.ledgers[0].reserved == 0 and scheduler.ledgers[0].parked == 0
+        hold = asyncio.Event()
+        running = asyncio.ensure_future(_turn(scheduler, "t2", 20, 60, hold=hold))
         await asyncio.sleep(0.01)
-        assert scheduler.ledgers[0].reserved == 90
+        waiting = asyncio.ensure_future(_turn(scheduler, "t3", 20, 60))
+        behind = asyncio.ensure_future(_turn(scheduler, "t4", 5, 5))
+        await asyncio.sleep(0.01)
+        assert scheduler.queued == 2
+        waiting.cancel()  # the blocking head leaves the queue; t4 may now go in
+        assert await behind is gens[0]
         running.cancel()
-        await asyncio.gather(running, return_exceptions=True)
-        assert scheduler.ledgers[0].reserved == 0 and scheduler.queued == 0
+        await asyncio.gather(running, waiting, return_exceptions=True)
+        assert scheduler.ledgers[0].reserved == 0 and scheduler.ledgers[0].running == 0 and scheduler.queued == 0
 
     asyncio.run(run())
 
 
-async def _hold_forever(scheduler, tid, tokens):
-    async with scheduler.lease(tid, tokens):
-        await asyncio.sleep(3600)
-
-
-def test_reconcile_counts_foreign_usage_and_rejects_impossible_leases():
+def test_reconcile_counts_foreign_usage_and_refuses_what_fits_nowhere():
     gens = [FakeGenerator("a", 1000, used=700), FakeGenerator("b", 1000)]
-    scheduler = KvScheduler(gens, budget_fraction=1.0)
+    scheduler = KvScheduler(gens, reservation="worst-case")
 
     async def run():
-        async with scheduler.lease("t1", 400) as g:
-            assert g is gens[1]
-            assert scheduler.free(0) == 300 and scheduler.free(1) == 600
-        with pytest.raises(ValueError, match="reserves 1001 tokens"):
-            async with scheduler.lease("t2", 1001):
-                pass
-        with pytest.raises(ValueError, match="reserve_tokens"):
-            async with scheduler.lease("t3", 0):
-                pass
+        async with scheduler.trajectory("t1") as session:
+            async with session.turn(100, 300) as gen:
+                session.record(250)
+            assert gen is gens[1] and scheduler.free(0) == 300 and scheduler.free(1) == 600  # 350 + 50 claimed on b
+        with pytest.raises(RequestRejected, match="a context of 1000 tokens does not fit any generator"):
+            await _turn(scheduler, "t2", 1000, 10)
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            await _turn(scheduler, "t3", 10, 0)
         gens[0].used = 0
         await scheduler.reconcile()
         assert scheduler.free(0) == 1000
 
     asyncio.run(run())
+    with pytest.raises(ValueError, match="reservation must be one of"):
+        KvScheduler(gens, reservation="best-case")
+    with pytest.raises(ValueError, match="new_token_ratio"):
+        KvScheduler(gens, new_token_ratio=0.0)
 
 
-def test_round_robin_is_static():
+def test_round_robin_is_static_for_all_turns():
     gens = [FakeGenerator(n, 10) for n in "abc"]
     scheduler = RoundRobinScheduler(gens)
 
-    async def run():
-        return [await _hold(scheduler, f"t{i}", 10**9) for i in range(6)]
+    async def trajectory(tid):
+        async with scheduler.trajectory(tid) as session:
+            placed = []
+            for _ in range(2):
+                async with session.turn(10**9, 10**9) as gen:
+                    placed.append(gen.name)
+            return placed
 
-    assert [g.name for g in asyncio.run(run())] == list("abcabc")
+    async def run():
+        return [await trajectory(f"t{i}") for i in range(6)]
+
+    assert asyncio.run(run()) == [[n, n] for n in "abcabc"]

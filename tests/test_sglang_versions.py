@@ -21,7 +21,7 @@ from aiohttp import web
 from rstar_jax.agent.tokenizer import IM_END, ByteTokenizer
 from rstar_jax.rollout import sglang as sglang_module
 from rstar_jax.rollout.loop import LoopConfig, run_trajectory
-from rstar_jax.rollout.protocol import SamplingParams
+from rstar_jax.rollout.protocol import RequestRejected, SamplingParams
 from rstar_jax.rollout.scheduler import KvScheduler
 from rstar_jax.rollout.sglang import SGLangError, SGLangGenerator
 
@@ -227,22 +227,22 @@ def test_kv_scheduled_trajectories_on_both_versions():
 
     async def body(old, new):
         async with SGLangGenerator(old.url) as a, SGLangGenerator(new.url) as b:
-            scheduler = KvScheduler([a, b], budget_fraction=0.9)
+            scheduler = KvScheduler([a, b], budget_fraction=0.9, reservation="worst-case")
             cfg = LoopConfig(max_turns=2, response_budget=600)
             trajs = await asyncio.gather(*(run_trajectory(None, TOK, Executor(), f"Q{i}", "42", config=cfg,
                                                           scorer=scorer, scheduler=scheduler, group_id=i)
                                            for i in range(12)))
-            # A request lives in one rank's pool: 4000 tokens fit 0.9 x 8192 but not 0.9 x 4096.
-            with pytest.raises(ValueError, match=r"reserves 4000 tokens, more than any generator's budget "
-                                                 r"\(3686 = 0.9 x one DP rank's pool\)"):
-                async with scheduler.lease("too-big-for-a-rank", 4000):
+            # A request lives in one rank's pool: a 4096-token context fits 8192 tokens but no rank's 4096.
+            with pytest.raises(RequestRejected, match=r"a context of 4096 tokens does not fit any generator in "
+                                                      r"rotation \(the largest pool of one DP rank holds 4096\)"):
+                async with scheduler.trajectory("too-big-for-a-rank") as session, session.turn(4096, 10):
                     pass
             return trajs, scheduler
 
     old, new = StandIn("late-2025", rank_tokens=4096), StandIn("2026", rank_tokens=4096)
     trajs, scheduler = run_with([old, new], body)
     assert all(t.reward == 1.0 for t in trajs) and len(trajs) == 12
-    # 4096 per rank x 2 ranks: a budget of 0.9 x 8192 holds two reservations of ~2.5k tokens per server.
+    # 4096 per rank x 2 ranks: a budget of 0.9 x 8192 holds two worst-case turns of ~2.5k tokens per server.
     assert [(ledger.capacity, ledger.ranks) for ledger in scheduler.ledgers] == [(8192, 2), (8192, 2)]
     assert all(ledger.peak_reserved <= scheduler.budget(i) for i, ledger in enumerate(scheduler.ledgers))
     assert sum(scheduler.admitted_per_generator()) == 12 and min(scheduler.admitted_per_generator()) > 0

@@ -46,6 +46,7 @@ from rstar_jax.parallel import MESH_AXES
 from rstar_jax.rl.loss import LossConfig
 from rstar_jax.rl.roc import RocConfig
 from rstar_jax.rollout.loop import LoopConfig
+from rstar_jax.rollout.scheduler import RESERVATIONS
 from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.rollout.weight_transfer import BACKENDS as WEIGHT_SYNC_BACKENDS
 from rstar_jax.train.rl_batch import BatchConfig
@@ -461,6 +462,10 @@ def _check_values(check: Checker) -> None:
     check.enum("rollout.backend", ROLLOUT_BACKENDS)
     servers = check.strings("rollout.servers")
     check.enum("rollout.scheduler", SCHEDULERS)
+    check.enum("rollout.kv_scheduler.reservation", RESERVATIONS)
+    check.range("rollout.kv_scheduler.new_token_ratio", 0, 1, low_open=True)
+    check.range("rollout.kv_scheduler.budget_fraction", 0, 1, low_open=True)
+    check.range("rollout.kv_scheduler.reconcile_interval_s", 0, None)
     check.enum("rollout.template", TEMPLATE_STYLES)
     # Turns, budget, sampling and the tool protocol: the rollout loop's own checks, for RL's
     # settings and for the evaluation protocol's.

@@ -8,10 +8,10 @@ never ends on a user turn.
 
 Failures (token in, token out makes each resumption exact):
 - A generator that is unavailable (refused connection, timeout, 5xx) is taken out of the scheduler's
-  rotation and the trajectory takes a new lease, continuing from its last complete turn (the lost
+  rotation and the turn goes to another generator, continuing from the last complete turn (the lost
   turn's tokens were never appended).
 - A turn the generator aborts (a weight update with `abort_all_requests`, a pause, an operator's
-  abort) keeps its partial tokens and is continued on the same lease, up to `max_abort_resumes`
+  abort) keeps its partial tokens and is continued by the next request, up to `max_abort_resumes`
   times (partial rollout): the sampled tokens carry the weight version that produced them.
 - A request the generator rejects (a 4xx, e.g. a context longer than the server's) ends the
   trajectory as truncated, scored 0, with `finish_reason` "rejected".
@@ -49,6 +49,7 @@ from rstar_jax.rollout.protocol import (
     SamplingParams,
     Scheduler,
 )
+from rstar_jax.rollout.scheduler import DirectSession
 from rstar_jax.rollout.tool_env import SANDBOX_OPTION_FIELDS, ToolEnv
 from rstar_jax.rollout.trajectory import (
     STOP_ABORTED,
@@ -202,8 +203,9 @@ async def run_trajectory(
     """Runs one trajectory to its end and scores it.
 
     generator: used for every turn when no scheduler is given; with a scheduler, the trajectory
-    holds one lease (prompt + response budget reserved) for its whole life, or a new one on another
-    generator each time its generator fails (see the module docstring). scorer: an async
+    holds a session for its life and asks it for a generator turn by turn (the scheduler reserves
+    each turn's expected KV and keeps its prefix between turns; see rstar_jax.rollout.scheduler), and
+    a turn whose generator fails goes to another (see the module docstring). scorer: an async
     (model_text, gold, truncated=...) -> reward that never blocks the event loop
     (`rstar_jax.agent.reward.make_scorer`). Cancelling the task aborts the in-flight generation
     and the in-flight tool call.
@@ -219,91 +221,90 @@ async def run_trajectory(
     model_text: list[str] = []
     turn_ids: list[int] = []  # the current turn's sampled ids (it may span aborted requests)
     min_observation = len(template.tool_response_ids(tokenizer, ""))
-    done = False
-    while not done:
-        # One lease per generator the trajectory lives on: a failed generator leaves the rotation
-        # and the trajectory resumes on another from its last complete turn.
-        lease = (scheduler.lease(trajectory_rid, len(prompt_ids) + config.response_budget) if scheduler is not None
-                 else contextlib.nullcontext(generator))
-        async with lease as gen:
-            while True:
-                remaining = config.response_budget - len(traj.response_ids)
-                sampling = SamplingParams(max_new_tokens=remaining, temperature=config.temperature,
-                                          top_p=config.top_p, top_k=config.top_k,
-                                          stop_token_ids=tokenizer.stop_ids, seed=seed)
-                try:
-                    result = await _generate(gen, prompt_ids + traj.response_ids, sampling, _new_rid())
-                except GeneratorUnavailable as e:
-                    if scheduler is None:
-                        raise
-                    scheduler.mark_down(gen, str(e))
-                    traj.n_failovers += 1
-                    del traj.response_ids[len(traj.response_ids) - len(turn_ids):]  # the turn restarts whole
-                    for name in ("loss_mask", "sampler_logprobs", "policy_versions"):
-                        del getattr(traj, name)[len(traj.response_ids):]
-                    turn_ids = []
-                    break  # a new lease on a generator still in rotation
-                except RequestRejected as e:
-                    traj.finish_reason, traj.truncated = STOP_REJECTED, True
-                    traj.extra["error"] = str(e)
-                    log.warning("trajectory %s (group %d, sample %d): %s", trajectory_rid, group_id, sample_index, e)
-                    done = True
-                    break
-                traj.response_ids += list(result.token_ids)
-                traj.loss_mask += [1] * len(result.token_ids)
-                traj.sampler_logprobs += [float(x) for x in result.logprobs]
-                traj.policy_versions += [result.weight_version] * len(result.token_ids)
-                traj.n_retractions += result.num_retractions
-                turn_ids += list(result.token_ids)
-                if result.finish_reason == FINISH_ABORT:
-                    if traj.n_abort_resumes < config.max_abort_resumes and len(traj.response_ids) < config.response_budget:
-                        traj.n_abort_resumes += 1  # partial rollout: the turn goes on from its partial output
-                        continue
-                    traj.n_turns += 1
-                    model_text.append(tokenizer.decode(turn_ids))
-                    traj.finish_reason = STOP_ABORTED
-                    done = True
-                    break
-                traj.n_turns += 1
-                turn_text = tokenizer.decode(turn_ids)
-                model_text.append(turn_text)
+    session_context = (scheduler.trajectory(trajectory_rid, group=group_id) if scheduler is not None
+                       else contextlib.nullcontext(DirectSession(generator)))
+    async with session_context as session:
+        while True:
+            remaining = config.response_budget - len(traj.response_ids)
+            sampling = SamplingParams(max_new_tokens=remaining, temperature=config.temperature,
+                                      top_p=config.top_p, top_k=config.top_k,
+                                      stop_token_ids=tokenizer.stop_ids, seed=seed)
+            context = prompt_ids + traj.response_ids
+            result = None
+            try:
+                async with session.turn(len(context), remaining) as gen:
+                    try:
+                        result = await _generate(gen, context, sampling, _new_rid())
+                    except GeneratorUnavailable as e:
+                        if scheduler is None:
+                            raise
+                        scheduler.mark_down(gen, str(e))  # the turn goes to a generator still in rotation
+                    else:
+                        session.record(len(result.token_ids), complete=result.finish_reason != FINISH_ABORT)
+            except RequestRejected as e:
+                traj.finish_reason, traj.truncated = STOP_REJECTED, True
+                traj.extra["error"] = str(e)
+                log.warning("trajectory %s (group %d, sample %d): %s", trajectory_rid, group_id, sample_index, e)
+                break
+            if result is None:
+                traj.n_failovers += 1
+                del traj.response_ids[len(traj.response_ids) - len(turn_ids):]  # the turn restarts whole
+                for name in ("loss_mask", "sampler_logprobs", "policy_versions"):
+                    del getattr(traj, name)[len(traj.response_ids):]
                 turn_ids = []
-                done = True  # unless the turn's tool calls continue the conversation below
-                if result.finish_reason == FINISH_LENGTH:
-                    traj.finish_reason, traj.truncated = STOP_BUDGET, True
-                    break
-                # A turn that ends with EOS exactly at the budget is complete: an answer there counts, and
-                # a tool call there is stopped below because its observation cannot be appended.
-                calls = parse_tool_calls(turn_text, tool_names=(template.tool_name,),
-                                         max_calls=config.max_calls_per_turn, parsing=config.tool_call_parsing)
-                if not calls:
-                    traj.finish_reason = STOP_NO_TOOL_CALL
-                    break
-                if traj.n_turns >= config.max_turns or not config.use_tools:
-                    traj.finish_reason = STOP_MAX_TURNS  # the turn limit: no further turn can use a result
-                    break
-                if len(traj.response_ids) + min_observation >= config.response_budget:
-                    # Not even an empty observation fits: stop before spending a sandbox call.
-                    traj.finish_reason, traj.truncated = STOP_BUDGET, True
-                    break
-                # Calls of one turn run concurrently (the release gathers them); each yields (status, text).
-                t_tools = time.perf_counter()
-                outcomes = await asyncio.gather(*(_run_call(call, executor, config) for call in calls))
-                traj.tool_seconds += time.perf_counter() - t_tools
-                for status, _ in outcomes:
-                    traj.n_tool_calls += 1
-                    traj.n_tool_errors += int(is_tool_error(status))
-                    traj.tool_statuses.append(status)
-                observations = [text for _, text in outcomes]
-                obs_ids = template.tool_response_ids(tokenizer, observations)
-                if len(traj.response_ids) + len(obs_ids) >= config.response_budget:
-                    traj.finish_reason, traj.truncated = STOP_BUDGET, True
-                    break
-                traj.response_ids += obs_ids
-                traj.loss_mask += [0] * len(obs_ids)
-                traj.sampler_logprobs += [0.0] * len(obs_ids)
-                traj.policy_versions += [-1] * len(obs_ids)
-                done = False
+                continue
+            traj.response_ids += list(result.token_ids)
+            traj.loss_mask += [1] * len(result.token_ids)
+            traj.sampler_logprobs += [float(x) for x in result.logprobs]
+            traj.policy_versions += [result.weight_version] * len(result.token_ids)
+            traj.n_retractions += result.num_retractions
+            turn_ids += list(result.token_ids)
+            if result.finish_reason == FINISH_ABORT:
+                if traj.n_abort_resumes < config.max_abort_resumes and len(traj.response_ids) < config.response_budget:
+                    traj.n_abort_resumes += 1  # partial rollout: the turn goes on from its partial output
+                    continue
+                traj.n_turns += 1
+                model_text.append(tokenizer.decode(turn_ids))
+                traj.finish_reason = STOP_ABORTED
+                break
+            traj.n_turns += 1
+            turn_text = tokenizer.decode(turn_ids)
+            model_text.append(turn_text)
+            turn_ids = []
+            if result.finish_reason == FINISH_LENGTH:
+                traj.finish_reason, traj.truncated = STOP_BUDGET, True
+                break
+            # A turn that ends with EOS exactly at the budget is complete: an answer there counts, and
+            # a tool call there is stopped below because its observation cannot be appended.
+            calls = parse_tool_calls(turn_text, tool_names=(template.tool_name,),
+                                     max_calls=config.max_calls_per_turn, parsing=config.tool_call_parsing)
+            if not calls:
+                traj.finish_reason = STOP_NO_TOOL_CALL
+                break
+            if traj.n_turns >= config.max_turns or not config.use_tools:
+                traj.finish_reason = STOP_MAX_TURNS  # the turn limit: no further turn can use a result
+                break
+            if len(traj.response_ids) + min_observation >= config.response_budget:
+                # Not even an empty observation fits: stop before spending a sandbox call.
+                traj.finish_reason, traj.truncated = STOP_BUDGET, True
+                break
+            # Calls of one turn run concurrently (the release gathers them); each yields (status, text).
+            t_tools = time.perf_counter()
+            outcomes = await asyncio.gather(*(_run_call(call, executor, config) for call in calls))
+            traj.tool_seconds += time.perf_counter() - t_tools
+            for status, _ in outcomes:
+                traj.n_tool_calls += 1
+                traj.n_tool_errors += int(is_tool_error(status))
+                traj.tool_statuses.append(status)
+            observations = [text for _, text in outcomes]
+            obs_ids = template.tool_response_ids(tokenizer, observations)
+            if len(traj.response_ids) + len(obs_ids) >= config.response_budget:
+                traj.finish_reason, traj.truncated = STOP_BUDGET, True
+                break
+            traj.response_ids += obs_ids
+            traj.loss_mask += [0] * len(obs_ids)
+            traj.sampler_logprobs += [0.0] * len(obs_ids)
+            traj.policy_versions += [-1] * len(obs_ids)
     text = "".join(model_text)
     traj.n_answer_tags = count_answer_tags(text)
     traj.extra["model_text"] = text

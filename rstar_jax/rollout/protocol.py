@@ -8,7 +8,7 @@ in-process `JaxEngine` and the SGLang HTTP client implement `Generator`.
 from __future__ import annotations
 
 import dataclasses
-from typing import AsyncContextManager, Protocol, Sequence, runtime_checkable
+from typing import AsyncContextManager, Hashable, Protocol, Sequence, runtime_checkable
 
 # SGLang's finish reasons (meta_info.finish_reason.type), plus "abort" for a cancelled request.
 FINISH_STOP = "stop"  # an EOS / stop token id was sampled (the token is included in the output)
@@ -109,18 +109,30 @@ class Generator(Protocol):
     def version(self) -> int: ...
 
 
+class Session(Protocol):
+    """One trajectory's handle on a scheduler, for its life."""
+
+    def turn(self, context_tokens: int, max_new_tokens: int) -> AsyncContextManager[Generator]:
+        """The generator for one request of the trajectory (its whole context is `context_tokens`);
+        waits while none has room. Whatever the scheduler reserved for it is released on exit."""
+        ...
+
+    def record(self, generated_tokens: int, *, complete: bool = True) -> None:
+        """What the turn in flight generated (`complete=False` for one cut short by an abort)."""
+        ...
+
+
 @runtime_checkable
 class Scheduler(Protocol):
-    """Places trajectories on generators.
+    """Places trajectories' turns on generators.
 
-    A trajectory holds one lease for its whole life: every turn goes to the same generator (its
-    prefix cache stays warm) and `reserve_tokens` (prompt + the whole response budget: the worst-case
-    KV footprint) stays reserved there until the lease is released. `lease` waits while no generator
-    has room.
+    A trajectory opens a session for its life and asks it for a generator turn by turn; between turns
+    (its tool calls) it holds none. Turns of one trajectory go back to the generator that holds its
+    prefix unless the scheduler moves them (see rstar_jax.rollout.scheduler).
     """
 
-    def lease(self, trajectory_id: str, reserve_tokens: int) -> AsyncContextManager[Generator]: ...
+    def trajectory(self, trajectory_id: str, *, group: Hashable | None = None) -> AsyncContextManager[Session]: ...
 
     def mark_down(self, generator: Generator, reason: str) -> None:
-        """Takes a failed generator out of rotation: no new lease goes to it."""
+        """Takes a failed generator out of rotation: no new turn goes to it."""
         ...

@@ -1,18 +1,37 @@
-"""Placing trajectories on generators: a KV-cache reservation ledger and a static round-robin baseline.
+"""Placing trajectories' turns on generators: KV-aware admission and routing, and a static baseline.
 
-`KvScheduler` is the admission policy rStar2-Agent describes (and its release left out): each
-trajectory reserves its worst-case KV footprint (context + remaining response budget) on one
-generator for its whole life; it is admitted on the generator with the most free budget when it
-fits there, and otherwise waits in a FIFO queue that is refilled as soon as a reservation is released.
-The ledger is the primary signal; `reconcile()` corrects it with what the generators report
-(`capacity()`, i.e. `/get_server_info` and `/v1/loads` or `/get_load` for SGLang servers).
+A trajectory opens a session for its life (`scheduler.trajectory(id, group=...)`) and asks it for a
+generator turn by turn (`session.turn(context_tokens, max_new_tokens)`); between turns, while its
+tool calls run, it holds no generator. `session.record(n)` tells the scheduler what a turn generated.
 
-`RoundRobinScheduler` assigns trajectories to generators in turn with no admission control, the
-static policy the dynamic one is compared with.
+`KvScheduler` is the admission policy rStar2-Agent describes (§3.2; its release left it out): a new
+trajectory starts on a generator only when that generator's KV budget (alpha x its pool, less the
+larger of the ledger and what the generator reports in use) has room for it, and waits otherwise;
+it starts as soon as room frees up.
+- What the ledger holds is expected use, not the worst case. A turn reserves its context plus
+  `new_token_ratio` x its expected output: the mean of the trajectory's own finished turns, or
+  `INITIAL_NEW_TOKEN_RATIO` x its max_new_tokens before any (SGLang's `new_token_ratio` idea, per
+  trajectory and updated as turns finish). Between turns, while its tool call runs, a trajectory
+  holds no turn's reservation, only its context (cached there as a prefix, so it must not be evicted)
+  plus its expected next turn. `reservation="worst-case"` reserves the whole remaining budget
+  instead (the paper's rule, kept as a baseline).
+- A started trajectory never waits: its next turn goes to the generator holding its prefix, unless
+  that generator is overloaded (turns outgrew their estimates, or other clients use its KV) and
+  another has room for the whole turn; then it moves there (rebalancing: its context is prefilled
+  again). Otherwise a turn runs at home even past the budget: the engine's own admission and
+  retraction absorb the excess.
+- A new trajectory starts where its group's first one started when it fits there (the group's 2G
+  rollouts share their prompt's KV pages), else on the generator with the most free budget. New
+  trajectories start in arrival order: none overtakes another, so none starves.
+`reconcile()` reads what the generators report (`capacity()`: `/get_server_info` with `/v1/loads` or
+`/get_load` for SGLang servers).
+
+`RoundRobinScheduler` assigns trajectory i to generator i mod N for all its turns, with no admission
+control: the static policy the dynamic one is compared with.
 
 Both take a failed generator out of rotation (`mark_down`, called by the rollout loop when a
-generator is unavailable, or by `reconcile` when one cannot report): no lease goes to it afterwards,
-and its trajectories resume elsewhere. When none is left, leases raise `GeneratorUnavailable`.
+generator is unavailable, or by `reconcile` when one cannot report): no turn goes to it afterwards,
+and its trajectories continue elsewhere. When none is left, turns raise `GeneratorUnavailable`.
 """
 
 from __future__ import annotations
@@ -23,21 +42,23 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import time
-from typing import AsyncIterator, Sequence
+from typing import AsyncIterator, Hashable, Sequence
 
-from rstar_jax.rollout.protocol import Generator, GeneratorUnavailable
+from rstar_jax.rollout.protocol import Generator, GeneratorUnavailable, RequestRejected
 
 log = logging.getLogger(__name__)
 
-AFFINITY_MEMORY = 65536  # placements remembered after release, for sticky re-leases
-
-
-@dataclasses.dataclass
-class _Waiter:
-    trajectory_id: str
-    tokens: int
-    future: asyncio.Future
+RESERVATIONS = ("expected", "worst-case")
+# A trajectory's first turn is expected to generate this share of its max_new_tokens (SGLang's
+# SGLANG_INIT_NEW_TOKEN_RATIO); later turns as many tokens as its finished turns did on average.
+INITIAL_NEW_TOKEN_RATIO = 0.7
+# A turn reserves its context plus this share of its expected output: over its life a turn holds its
+# context and, on average, part of its output, so reserving all of it would leave KV idle
+# (benchmarks/rollout_sim.py measures the trade-off; retraction covers the turns that outgrow it).
+NEW_TOKEN_RATIO = 0.65
+GROUP_MEMORY = 4096  # groups whose placement is remembered
 
 
 class _Rotation:
@@ -59,8 +80,11 @@ class _Rotation:
         """The generators still in rotation."""
         return [g for i, g in enumerate(self.generators) if i not in self.down]
 
+    def _live_indices(self) -> list[int]:
+        return [i for i in range(len(self.generators)) if i not in self.down]
+
     def mark_down(self, generator: Generator, reason: str) -> None:
-        """Takes `generator` out of rotation (idempotent); new leases go to the others. A generator this
+        """Takes `generator` out of rotation (idempotent); new turns go to the others. A generator this
         scheduler does not place on (another process's share) is ignored."""
         index = self._index(generator)
         if index is None or index in self.down:
@@ -84,53 +108,133 @@ class GeneratorLedger:
 
     capacity: int  # C_s: the generator's KV pool (max_total_num_tokens summed over its DP ranks)
     ranks: int = 1  # DP ranks: one request lives in one rank's pool, capacity / ranks
-    reserved: int = 0  # R_s: sum of the live leases' reservations
+    reserved: int = 0  # R_s: running turns' reservations plus what trajectories between turns claim
+    parked: int = 0  # the part of `reserved` that trajectories between turns hold (prefix + next turn)
     reported_used: int = 0  # what the generator last reported in use (reconcile)
-    leases: int = 0
+    running: int = 0  # turns running here now
     peak_reserved: int = 0
-    admitted: int = 0  # trajectories placed here so far
+    peak_running: int = 0
+    admitted: int = 0  # trajectories whose first turn ran here
+    moved_in: int = 0  # turns of trajectories whose prefix was on another generator (rebalancing)
+
+
+@dataclasses.dataclass
+class _TurnStats:
+    """Finished turns and the tokens they generated."""
+
+    turns: int = 0
+    tokens: int = 0
+
+    def add(self, tokens: int) -> None:
+        self.turns += 1
+        self.tokens += tokens
+
+    def mean(self) -> float | None:
+        return self.tokens / self.turns if self.turns else None
+
+
+@dataclasses.dataclass
+class _Trajectory:
+    tid: str
+    group: Hashable | None
+    home: int | None = None  # the generator holding its prefix
+    parked: int = 0  # tokens claimed at home between turns: its context and expected next turn
+    stats: _TurnStats = dataclasses.field(default_factory=_TurnStats)
+    turn: "_Turn | None" = None  # the turn in flight (placed or waiting)
+    placed: bool = False  # some turn of it was placed
+
+
+@dataclasses.dataclass
+class _Turn:
+    trajectory: _Trajectory
+    context: int
+    max_new: int
+    future: asyncio.Future
+    seq: int
+    index: int | None = None  # where it runs, once granted
+    reserved: int = 0  # what it holds there
+    generated: int | None = None  # recorded by the caller
+    complete: bool = True
+
+
+class _KvSession:
+    """One trajectory's handle on a KvScheduler (see `KvScheduler.trajectory`)."""
+
+    def __init__(self, scheduler: "KvScheduler", trajectory: _Trajectory):
+        self._scheduler = scheduler
+        self._trajectory = trajectory
+
+    @contextlib.asynccontextmanager
+    async def turn(self, context_tokens: int, max_new_tokens: int) -> AsyncIterator[Generator]:
+        """Waits for a generator with room for this turn and holds its reservation until the turn ends."""
+        turn = await self._scheduler._acquire(self._trajectory, int(context_tokens), int(max_new_tokens))
+        try:
+            yield self._scheduler.generators[turn.index]
+        finally:
+            self._scheduler._end_turn(turn)
+
+    def record(self, generated_tokens: int, *, complete: bool = True) -> None:
+        """What the current turn generated; `complete=False` for a turn cut short (an abort), whose
+        length says nothing about the next turn's."""
+        turn = self._trajectory.turn
+        if turn is None:
+            raise RuntimeError(f"record: trajectory {self._trajectory.tid!r} has no turn in flight")
+        turn.generated, turn.complete = int(generated_tokens), complete
 
 
 class KvScheduler(_Rotation):
-    """KV-reservation admission over generators; implements `rstar_jax.rollout.protocol.Scheduler`.
+    """KV-aware admission and routing over generators; implements `rstar_jax.rollout.protocol.Scheduler`.
 
     budget_fraction (alpha): the share of each generator's capacity that reservations may fill.
+    reservation: "expected" (a turn reserves its context plus the expected output) or "worst-case"
+    (its context plus its whole max_new_tokens).
     capacities: per-generator capacity in tokens; read from `generator.capacity()` when omitted.
-    reconcile_interval: seconds between automatic `reconcile()` calls made while leasing
-    (None: only explicit calls and the first lease).
+    reconcile_interval: seconds between automatic `reconcile()` calls made while placing turns
+    (None: only explicit calls and the first turn).
     """
 
-    def __init__(self, generators: Sequence[Generator], *, budget_fraction: float = 0.9,
+    def __init__(self, generators: Sequence[Generator], *, budget_fraction: float = 1.0,
+                 reservation: str = "expected", new_token_ratio: float = NEW_TOKEN_RATIO,
                  capacities: Sequence[int] | None = None, reconcile_interval: float | None = None):
         if not generators:
             raise ValueError("KvScheduler: generators must be non-empty")
         if not 0.0 < budget_fraction <= 1.0:
             raise ValueError(f"KvScheduler: budget_fraction must be in (0, 1], got {budget_fraction}")
+        if reservation not in RESERVATIONS:
+            raise ValueError(f"KvScheduler: reservation must be one of {RESERVATIONS}, got {reservation!r}")
+        if not 0.0 < new_token_ratio <= 1.0:
+            raise ValueError(f"KvScheduler: new_token_ratio must be in (0, 1], got {new_token_ratio}")
         if capacities is not None and len(capacities) != len(generators):
             raise ValueError(f"KvScheduler: {len(capacities)} capacities for {len(generators)} generators")
         self.generators = list(generators)
         self.budget_fraction = budget_fraction
+        self.reservation = reservation
+        self.new_token_ratio = new_token_ratio
         self.reconcile_interval = reconcile_interval
         self._ledgers: list[GeneratorLedger] | None = (
             None if capacities is None else [GeneratorLedger(int(c)) for c in capacities])
-        self._queue: collections.deque[_Waiter] = collections.deque()
-        self._holder: dict[str, int] = {}  # trajectory id -> generator index, while leased
-        self._affinity: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._trajectories: dict[str, _Trajectory] = {}
+        self._fresh: collections.deque[_Turn] = collections.deque()  # new trajectories waiting to start
+        self._waiting = 0
+        self._seq = itertools.count()
+        self._group_home: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
         self._last_reconcile = 0.0
         self._init_lock = asyncio.Lock()
-        self.admitted = 0
+        self.admitted = 0  # trajectories placed so far
+        self.turns = 0  # turns placed so far
+        self.moves = 0  # turns placed away from the generator holding their prefix
         self.max_queue = 0
         self._init_rotation()
 
     def admitted_per_generator(self) -> list[int]:
-        """Trajectories placed on each generator so far (for load metrics)."""
+        """Trajectories whose first turn ran on each generator so far (for load metrics)."""
         return [ledger.admitted for ledger in self._ledgers or []]
 
     # -- ledger -------------------------------------------------------------------------------
     @property
     def ledgers(self) -> list[GeneratorLedger]:
         if self._ledgers is None:
-            raise RuntimeError("KvScheduler: capacities are not known yet (call reconcile() or lease first)")
+            raise RuntimeError("KvScheduler: capacities are not known yet (call reconcile() or place a turn first)")
         return self._ledgers
 
     def budget(self, index: int) -> int:
@@ -138,7 +242,7 @@ class KvScheduler(_Rotation):
         return int(self.budget_fraction * self.ledgers[index].capacity)
 
     def largest_request(self, index: int) -> int:
-        """The most one trajectory may reserve here: its share alpha of one DP rank's pool."""
+        """The most one turn may reserve here: its share alpha of one DP rank's pool."""
         ledger = self.ledgers[index]
         return int(self.budget_fraction * ledger.capacity) // max(1, ledger.ranks)
 
@@ -149,13 +253,31 @@ class KvScheduler(_Rotation):
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        """Turns waiting for room."""
+        return self._waiting
+
+    def estimate(self, trajectory_id: str, max_new_tokens: int) -> int:
+        """The tokens a turn of `trajectory_id` is expected to generate (what it reserves beyond its context)."""
+        trajectory = self._trajectories.get(trajectory_id)
+        return self._estimate(trajectory, max_new_tokens) if trajectory else self._estimate(None, max_new_tokens)
+
+    def _estimate(self, trajectory: _Trajectory | None, max_new: int) -> int:
+        if self.reservation == "worst-case":
+            return max_new
+        mean = trajectory.stats.mean() if trajectory is not None else None
+        expected = INITIAL_NEW_TOKEN_RATIO * max_new if mean is None else mean
+        return max(1, min(max_new, math.ceil(self.new_token_ratio * expected)))
+
+    def _footprint(self, turn: _Turn) -> int:
+        """What a turn reserves: its context and its expected output, estimated when it is placed
+        (what has been learnt while it waited counts)."""
+        return turn.context + self._estimate(turn.trajectory, turn.max_new)
 
     async def reconcile(self) -> None:
         """Reads every generator's capacity and usage; tokens in use beyond the ledger (other
-        clients, or a smaller pool than assumed) count as occupied. A generator that is unavailable
-        leaves the rotation. Then refills from the queue."""
-        live = [i for i in range(len(self.generators)) if i not in self.down]
+        clients, turns longer than expected, a smaller pool than assumed) count as occupied. A
+        generator that is unavailable leaves the rotation. Then places waiting turns."""
+        live = self._live_indices()
         reports = dict(zip(live, await asyncio.gather(*(self.generators[i].capacity() for i in live),
                                                       return_exceptions=True)))
         for i, report in reports.items():
@@ -183,134 +305,240 @@ class KvScheduler(_Rotation):
             if self._ledgers is None or due:
                 await self.reconcile()
 
-    # -- placement ----------------------------------------------------------------------------
-    def _place(self, trajectory_id: str, tokens: int) -> int | None:
-        """Index of the generator to admit on, or None when it fits nowhere now."""
-        home = self._affinity.get(trajectory_id)
-        if (home is not None and home not in self.down and self.free(home) >= tokens
-                and tokens <= self.largest_request(home)):
-            return home  # sticky: the generator that already holds its prefix
-        live = [i for i in range(len(self.generators)) if i not in self.down and tokens <= self.largest_request(i)]
+    # -- sessions -----------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def trajectory(self, trajectory_id: str, *, group: Hashable | None = None) -> AsyncIterator[_KvSession]:
+        """A trajectory's session: its turns share a home generator, and its parked prefix is
+        released when the session ends. `group` (e.g. the prompt's index) co-locates a group's
+        first turns."""
+        if trajectory_id in self._trajectories:
+            raise ValueError(f"trajectory: {trajectory_id!r} already has a session")
+        trajectory = _Trajectory(trajectory_id, group)
+        self._trajectories[trajectory_id] = trajectory
+        try:
+            yield _KvSession(self, trajectory)
+        finally:
+            del self._trajectories[trajectory_id]
+            if trajectory.home is not None and self._ledgers is not None:
+                self._unpark(trajectory)
+            self._dispatch()
+
+    async def _acquire(self, trajectory: _Trajectory, context: int, max_new: int) -> _Turn:
+        if context < 1 or max_new < 1:
+            raise ValueError(f"turn: context_tokens ({context}) and max_new_tokens ({max_new}) must be >= 1 "
+                             f"for {trajectory.tid!r}")
+        if trajectory.turn is not None:
+            raise ValueError(f"turn: trajectory {trajectory.tid!r} already has a turn in flight")
+        await self._maybe_reconcile()
+        live = self._live_indices()
         if not live:
-            return None
-        best = max(live, key=lambda i: (self.free(i), -i))
-        return best if self.free(best) >= tokens else None
-
-    def _grant(self, index: int, trajectory_id: str, tokens: int) -> None:
-        ledger = self.ledgers[index]
-        ledger.reserved += tokens
-        ledger.leases += 1
-        ledger.peak_reserved = max(ledger.peak_reserved, ledger.reserved)
-        ledger.admitted += 1
-        self._holder[trajectory_id] = index
-        self.admitted += 1
-
-    def _release(self, index: int, trajectory_id: str, tokens: int) -> None:
-        ledger = self.ledgers[index]
-        ledger.reserved -= tokens
-        ledger.leases -= 1
-        self._holder.pop(trajectory_id, None)
-        self._affinity[trajectory_id] = index
-        self._affinity.move_to_end(trajectory_id)
-        while len(self._affinity) > AFFINITY_MEMORY:
-            self._affinity.popitem(last=False)
+            raise self._no_generator_left()
+        self._check_fits_somewhere(trajectory.tid, context, live)
+        turn = _Turn(trajectory, context, max_new, asyncio.get_running_loop().create_future(), next(self._seq))
+        trajectory.turn = turn
+        if trajectory.home is not None and trajectory.home not in self.down:
+            self._grant(turn, self._continue_on(turn))  # a started trajectory never waits
+            return turn
+        trajectory.home, trajectory.parked = None, 0  # new, or its generator left the rotation with its prefix
+        self._fresh.append(turn)
+        self._waiting += 1
+        self.max_queue = max(self.max_queue, self._waiting)
         self._dispatch()
+        try:
+            await turn.future
+        except BaseException:
+            if turn.index is not None:
+                self._end_turn(turn)  # granted, then cancelled before the caller saw it
+            else:
+                trajectory.turn = None
+                if not turn.future.done() or turn.future.cancelled():  # not failed by the scheduler
+                    turn.future.cancel()  # it leaves the queue (dropped lazily)
+                    self._waiting -= 1
+                    self._dispatch()  # it may have been the head blocking others
+            raise
+        return turn
+
+    def _check_fits_somewhere(self, tid: str, context: int, live: list[int]) -> None:
+        rank_pool = max(self.ledgers[i].capacity // self.ledgers[i].ranks for i in live)
+        if context >= rank_pool:
+            raise RequestRejected(f"trajectory {tid!r}: a context of {context} tokens does not fit any generator "
+                                  f"in rotation (the largest pool of one DP rank holds {rank_pool})")
+
+    def _end_turn(self, turn: _Turn) -> None:
+        trajectory, index = turn.trajectory, turn.index
+        trajectory.turn = None
+        ledger = self.ledgers[index]
+        ledger.reserved -= turn.reserved
+        ledger.running -= 1
+        if turn.generated is not None and turn.complete:
+            trajectory.stats.add(turn.generated)
+        if index not in self.down and turn.generated is not None:
+            trajectory.home = index
+            # Its KV stays cached there, and its next turn is expected: both stay claimed, so new
+            # trajectories are started only where those already started can go on.
+            context = turn.context + turn.generated
+            trajectory.parked = context + self._estimate(trajectory, max(1, turn.max_new - turn.generated))
+            ledger.reserved += trajectory.parked
+            ledger.parked += trajectory.parked
+        else:
+            trajectory.home, trajectory.parked = None, 0  # a failed or abandoned turn left no usable prefix
+        self._dispatch()
+
+    def _unpark(self, trajectory: _Trajectory) -> None:
+        ledger = self.ledgers[trajectory.home]
+        ledger.reserved -= trajectory.parked
+        ledger.parked -= trajectory.parked
+        trajectory.parked = 0
+
+    # -- placement ----------------------------------------------------------------------------
+    def _fits(self, index: int, tokens: int) -> bool:
+        """Whether a turn reserving `tokens` fits the free budget (one larger than a rank's share
+        fits a generator with nothing reserved)."""
+        return self.free(index) >= min(tokens, self.largest_request(index))
+
+    def _freest(self, exclude: int | None = None) -> int | None:
+        live = [i for i in self._live_indices() if i != exclude]
+        return max(live, key=lambda i: (self.free(i), -i)) if live else None
+
+    def _continue_on(self, turn: _Turn) -> int:
+        """Where a started trajectory's turn runs: its home, whose ledger already holds its prefix and
+        expected turn, unless the home is overloaded (turns outgrew their estimates, or others use its
+        KV) and another generator has room for the whole turn: then it moves there (rebalancing; its
+        context is prefilled again). An overloaded home with nowhere to move to runs it anyway: the
+        engine's own admission and retraction handle the excess."""
+        home = turn.trajectory.home
+        if self.free(home) >= 0:
+            return home
+        target = self._freest(exclude=home)
+        return target if target is not None and self._fits(target, self._footprint(turn)) else home
+
+    def _grant(self, turn: _Turn, index: int) -> None:
+        trajectory = turn.trajectory
+        ledger = self.ledgers[index]
+        if trajectory.home is not None:  # its parked claim becomes this turn's reservation, or is given up
+            if trajectory.home != index:
+                self.moves += 1
+                ledger.moved_in += 1
+            self._unpark(trajectory)
+            trajectory.home = None
+        else:
+            self._waiting -= 1  # it waited in the queue
+        if not trajectory.placed:
+            trajectory.placed = True
+            self.admitted += 1
+            ledger.admitted += 1
+            if trajectory.group is not None and trajectory.group not in self._group_home:
+                self._group_home[trajectory.group] = index
+                while len(self._group_home) > GROUP_MEMORY:
+                    self._group_home.popitem(last=False)
+        turn.index, turn.reserved = index, self._footprint(turn)
+        ledger.reserved += turn.reserved
+        ledger.running += 1
+        ledger.peak_reserved = max(ledger.peak_reserved, ledger.reserved)
+        ledger.peak_running = max(ledger.peak_running, ledger.running)
+        self.turns += 1
+        turn.future.set_result(index)
+
+    @staticmethod
+    def _head(queue: collections.deque) -> _Turn | None:
+        """The first turn of `queue` still waiting (those cancelled meanwhile are dropped)."""
+        while queue and queue[0].future.done():
+            queue.popleft()
+        return queue[0] if queue else None
 
     def _dispatch(self) -> None:
-        """Admits queued trajectories strictly in arrival order (no overtaking, so none starves)."""
-        while self._queue:
-            head = self._queue[0]
-            if head.future.done():  # cancelled while waiting
-                self._queue.popleft()
-                continue
-            index = self._place(head.trajectory_id, head.tokens)
-            if index is None:
-                return
-            self._queue.popleft()
-            self._grant(index, head.trajectory_id, head.tokens)
-            head.future.set_result(index)
+        """Starts waiting trajectories in arrival order while their first turns fit: on their
+        group's generator when it has room (the group's prompt is cached there), else on the freest."""
+        if self._ledgers is None:
+            return
+        while (turn := self._head(self._fresh)) is not None:
+            full = self._footprint(turn)
+            group_home = self._group_home.get(turn.trajectory.group)
+            if group_home is not None and group_home not in self.down and self._fits(group_home, full):
+                target = group_home
+            else:
+                target = self._freest()
+                if target is None or not self._fits(target, full):
+                    return  # first come, first served: nothing overtakes the head of the queue
+            self._fresh.popleft()
+            self._grant(turn, target)
 
     def _after_down(self) -> None:
-        """Queued trajectories that no live generator can hold fail (all of them when none is left);
-        the others are placed as room allows."""
-        live = [i for i in range(len(self.generators)) if i not in self.down]
-        largest = max((self.largest_request(i) for i in live), default=0) if self._ledgers is not None else None
-        waiting, self._queue = self._queue, collections.deque()
-        for waiter in waiting:
-            if waiter.future.done():
-                continue
-            if not live:
-                waiter.future.set_exception(self._no_generator_left())
-            elif largest is not None and waiter.tokens > largest:
-                waiter.future.set_exception(GeneratorUnavailable(
-                    f"trajectory {waiter.trajectory_id!r} reserves {waiter.tokens} tokens, more than any generator "
-                    f"left in rotation can hold ({largest})"))
-            else:
-                self._queue.append(waiter)
+        """Waiting turns fail when no generator is left, or are placed on those left."""
+        if self._ledgers is None:
+            return
+        if not self._live_indices():
+            waiting, self._fresh = list(self._fresh), collections.deque()
+            for turn in waiting:
+                if not turn.future.done():
+                    self._waiting -= 1
+                    turn.future.set_exception(self._no_generator_left())
+            return
         self._dispatch()
 
+
+class _FixedSession:
+    """A trajectory pinned to one generator (round-robin), re-pinned when that one leaves the rotation."""
+
+    def __init__(self, scheduler: "RoundRobinScheduler", index: int):
+        self._scheduler = scheduler
+        self.index = index
+
     @contextlib.asynccontextmanager
-    async def lease(self, trajectory_id: str, reserve_tokens: int) -> AsyncIterator[Generator]:
-        """Reserves `reserve_tokens` on one generator for the life of the context; waits while none has room."""
-        if reserve_tokens < 1:
-            raise ValueError(f"lease: reserve_tokens must be >= 1, got {reserve_tokens} for {trajectory_id!r}")
-        if trajectory_id in self._holder:
-            raise ValueError(f"lease: trajectory {trajectory_id!r} already holds a lease")
-        await self._maybe_reconcile()
-        if len(self.down) == len(self.generators):
-            raise self._no_generator_left()
-        largest = max(self.largest_request(i) for i in range(len(self.generators)) if i not in self.down)
-        if reserve_tokens > largest:
-            raise ValueError(f"lease: trajectory {trajectory_id!r} reserves {reserve_tokens} tokens, more than "
-                             f"any generator's budget ({largest} = {self.budget_fraction} x one DP rank's pool)")
-        index = None if self._queue else self._place(trajectory_id, reserve_tokens)
-        if index is not None:
-            self._grant(index, trajectory_id, reserve_tokens)
-        else:
-            waiter = _Waiter(trajectory_id, reserve_tokens, asyncio.get_running_loop().create_future())
-            self._queue.append(waiter)
-            self.max_queue = max(self.max_queue, len(self._queue))
-            try:
-                index = await waiter.future
-            except asyncio.CancelledError:
-                if waiter.future.done() and not waiter.future.cancelled():
-                    self._release(waiter.future.result(), trajectory_id, reserve_tokens)  # granted, then cancelled
-                else:
-                    waiter.future.cancel()
-                    self._dispatch()  # it may have been the head blocking others
-                raise
+    async def turn(self, context_tokens: int, max_new_tokens: int) -> AsyncIterator[Generator]:
+        scheduler = self._scheduler
+        if self.index in scheduler.down:
+            self.index = scheduler._next_index()
+        scheduler.leases[self.index] += 1
         try:
-            yield self.generators[index]
+            yield scheduler.generators[self.index]
         finally:
-            self._release(index, trajectory_id, reserve_tokens)
+            scheduler.leases[self.index] -= 1
+
+    def record(self, generated_tokens: int, *, complete: bool = True) -> None:
+        pass  # static placement learns nothing
 
 
 class RoundRobinScheduler(_Rotation):
-    """Static placement: trajectory i goes to generator i mod N (skipping those out of rotation),
-    with no admission control."""
+    """Static placement: trajectory i goes to generator i mod N (skipping those out of rotation) for
+    all its turns, with no admission control."""
 
     def __init__(self, generators: Sequence[Generator]):
         if not generators:
             raise ValueError("RoundRobinScheduler: generators must be non-empty")
         self.generators = list(generators)
         self._next = itertools.count()
-        self.leases = [0] * len(self.generators)
+        self.leases = [0] * len(self.generators)  # turns running on each generator
         self.admitted = [0] * len(self.generators)
         self._init_rotation()
 
     def admitted_per_generator(self) -> list[int]:
         return list(self.admitted)
 
-    @contextlib.asynccontextmanager
-    async def lease(self, trajectory_id: str, reserve_tokens: int) -> AsyncIterator[Generator]:
+    def _next_index(self) -> int:
         if len(self.down) == len(self.generators):
             raise self._no_generator_left()
         index = next(self._next) % len(self.generators)
         while index in self.down:
             index = next(self._next) % len(self.generators)
-        self.leases[index] += 1
+        return index
+
+    @contextlib.asynccontextmanager
+    async def trajectory(self, trajectory_id: str, *, group: Hashable | None = None) -> AsyncIterator[_FixedSession]:
+        index = self._next_index()
         self.admitted[index] += 1
-        try:
-            yield self.generators[index]
-        finally:
-            self.leases[index] -= 1
+        yield _FixedSession(self, index)
+
+
+class DirectSession:
+    """Every turn on one generator (no scheduler): the session `run_trajectory` uses with a bare generator."""
+
+    def __init__(self, generator: Generator):
+        self.generator = generator
+
+    @contextlib.asynccontextmanager
+    async def turn(self, context_tokens: int, max_new_tokens: int) -> AsyncIterator[Generator]:
+        yield self.generator
+
+    def record(self, generated_tokens: int, *, complete: bool = True) -> None:
+        pass

@@ -429,8 +429,14 @@ async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine
                                   "(or rollout.local_servers > 0)")
             resources.generators = [SGLangGenerator(url, generate_timeout_s=config.rollout.generate_timeout_s or None)
                                     for url in urls]
-            kind = KvScheduler if config.rollout.scheduler == "kv" else RoundRobinScheduler
-            resources.scheduler = kind(generation_share(resources.generators))
+            share = generation_share(resources.generators)
+            if config.rollout.scheduler == "kv":
+                k = config.rollout.kv_scheduler
+                resources.scheduler = KvScheduler(share, budget_fraction=k.budget_fraction, reservation=k.reservation,
+                                                  new_token_ratio=k.new_token_ratio,
+                                                  reconcile_interval=k.reconcile_interval_s or None)
+            else:
+                resources.scheduler = RoundRobinScheduler(share)
         # The writer loads weights on every server; the others generate on their share only.
         await wait_until_ready(resources, config.rollout.ready_timeout_s,
                                generators=None if multihost.is_writer() else generation_share(resources.generators))

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from rstar_jax.data.datasets import PromptIterator
 from rstar_jax.parallel import multihost
 from rstar_jax.rollout.records import rollout_path, trajectory_record, write_records
+from rstar_jax.rollout.scheduler import KvScheduler
 from rstar_jax.train.checkpoint import Checkpointer
 from rstar_jax.train.metrics import MetricsWriter, ProgressBar
 from rstar_jax.train.sft import SftBatches, sft_step
@@ -110,6 +111,9 @@ class RLLoop:
                     step_metrics.update({f"scheduler/admitted_{i}": n
                                          for i, n in enumerate(self.scheduler.admitted_per_generator())})
                     step_metrics["scheduler/generators_down"] = len(self.scheduler.down)
+                    if isinstance(self.scheduler, KvScheduler):  # turns moved off an overloaded server, waits
+                        step_metrics["scheduler/moves"] = self.scheduler.moves
+                        step_metrics["scheduler/max_queue"] = self.scheduler.max_queue
                 last = self.metrics.write(step + 1, step_metrics)
                 self.save_state(step + 1, step + 1 == self.steps)
                 if self._evaluation_due(step + 1):
