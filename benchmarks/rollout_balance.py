@@ -7,9 +7,10 @@ long-tailed multi-turn workload over the same warm servers through the SGLang cl
   retracting (then recomputing) requests under pressure. Tool calls run as soon as a turn ends.
 - static-sync: the same placement, with the per-turn barrier of the baseline the paper measured
   (verl v0.2): on each server, all live trajectories generate a turn, then all tool calls run.
-- dynamic: `KvScheduler` admits a trajectory on the server with the most free KV budget when its
-  worst-case footprint (prompt + whole response budget) fits, keeps it there for all turns, and
-  refills on release.
+- dynamic: `KvScheduler`, driven as the rollout loop drives it (a session per trajectory, a
+  generator per turn): it starts a trajectory on the server with the most free KV budget when its
+  expected use fits (`--reservation worst-case`: prompt + whole response budget), keeps its turns
+  there, and starts the next as soon as room frees up.
 The policies alternate for --repeats rounds. The script prints the median makespans, the dynamic
 policy's speed-up over each static one, and the retractions each policy caused.
 
@@ -28,6 +29,7 @@ import asyncio
 import dataclasses
 import os
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -35,7 +37,12 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from rstar_jax.rollout.protocol import SamplingParams  # noqa: E402
-from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler  # noqa: E402
+from rstar_jax.rollout.scheduler import (  # noqa: E402
+    NEW_TOKEN_RATIO,
+    RESERVATIONS,
+    KvScheduler,
+    RoundRobinScheduler,
+)
 from rstar_jax.rollout.sglang import SGLangGenerator  # noqa: E402
 from rstar_jax.rollout.local_server import LocalServer  # noqa: E402
 
@@ -77,7 +84,7 @@ async def _turn(gen, i: int, turn: int, t: Trajectory, context: list[int]) -> in
     return result.num_retractions
 
 
-async def run_policy(scheduler, work: list[Trajectory], *, budget: int, tool_latency: float) -> tuple[float, int]:
+async def run_policy(scheduler, work: list[Trajectory], *, tool_latency: float) -> tuple[float, int]:
     """Runs every trajectory through `scheduler`, each tool call as soon as its turn ends; returns the
     makespan and the retractions it caused."""
     start = time.perf_counter()
@@ -85,10 +92,12 @@ async def run_policy(scheduler, work: list[Trajectory], *, budget: int, tool_lat
 
     async def one(i: int, t: Trajectory):
         nonlocal retractions
-        async with scheduler.lease(f"{i:016x}", len(t.prompt) + budget) as gen:
+        async with scheduler.trajectory(f"{i:016x}", group=i) as session:
             context = list(t.prompt)
             for turn in range(len(t.turns)):
-                retractions += await _turn(gen, i, turn, t, context)
+                async with session.turn(len(context), t.turns[turn]) as gen:
+                    retractions += await _turn(gen, i, turn, t, context)
+                    session.record(t.turns[turn])
                 if turn + 1 < len(t.turns):
                     await asyncio.sleep(tool_latency)  # the tool call
                     context += [1] * t.observation
@@ -124,6 +133,11 @@ async def run_turn_synchronous(gens, work: list[Trajectory], *, tool_latency: fl
 POLICIES = ("static", "static-sync", "dynamic")
 
 
+def kv_scheduler(gens, args) -> KvScheduler:
+    return KvScheduler(gens, budget_fraction=args.budget_fraction, reservation=args.reservation,
+                       new_token_ratio=args.new_token_ratio)
+
+
 async def main_async(args, urls: list[str]) -> None:
     gens = [SGLangGenerator(u) for u in urls]
     try:
@@ -139,9 +153,8 @@ async def main_async(args, urls: list[str]) -> None:
                                       for i in infos) + f", context {infos[0]['context_length']}")
         # Warm-up: one untimed pass of each policy compiles the prefill (rows x prompt bucket x
         # span) and decode shapes the workload reaches on every server, so no timed run pays for it.
-        await run_policy(RoundRobinScheduler(gens), work, budget=args.budget, tool_latency=args.tool_latency)
-        await run_policy(KvScheduler(gens, budget_fraction=args.budget_fraction), work, budget=args.budget,
-                         tool_latency=args.tool_latency)
+        await run_policy(RoundRobinScheduler(gens), work, tool_latency=args.tool_latency)
+        await run_policy(kv_scheduler(gens, args), work, tool_latency=args.tool_latency)
         results: dict[str, list[float]] = {name: [] for name in POLICIES}
         for _ in range(args.repeats):
             for name in POLICIES:
@@ -149,13 +162,11 @@ async def main_async(args, urls: list[str]) -> None:
                 if name == "static-sync":
                     makespan, retractions = await run_turn_synchronous(gens, work, tool_latency=args.tool_latency)
                 else:
-                    scheduler = (RoundRobinScheduler(gens) if name == "static"
-                                 else KvScheduler(gens, budget_fraction=args.budget_fraction))
-                    makespan, retractions = await run_policy(scheduler, work, budget=args.budget,
-                                                             tool_latency=args.tool_latency)
+                    scheduler = RoundRobinScheduler(gens) if name == "static" else kv_scheduler(gens, args)
+                    makespan, retractions = await run_policy(scheduler, work, tool_latency=args.tool_latency)
                     extra = f", trajectories per server {scheduler.admitted_per_generator()}"
                     if name == "dynamic":
-                        extra += f", max queue {scheduler.max_queue}"
+                        extra += f", max queue {scheduler.max_queue}, moves {scheduler.moves}"
                 results[name].append(makespan)
                 print(f"{name:11s} makespan {makespan:7.2f} s  ({tokens / makespan:6.0f} tokens/s, "
                       f"{retractions} retractions{extra})")
@@ -182,13 +193,21 @@ def main() -> None:
     parser.add_argument("--observation", type=int, default=16)
     parser.add_argument("--turn-median", type=float, default=40.0, help="median tokens per turn (lognormal)")
     parser.add_argument("--tool-latency", type=float, default=0.02)
-    parser.add_argument("--budget-fraction", type=float, default=0.8)
+    parser.add_argument("--budget-fraction", type=float, default=1.0, help="KvScheduler's alpha")
+    parser.add_argument("--reservation", choices=RESERVATIONS, default="expected")
+    parser.add_argument("--new-token-ratio", type=float, default=NEW_TOKEN_RATIO)
+    parser.add_argument("--compilation-cache", default=os.path.join(tempfile.gettempdir(), "rollout_balance_xla"),
+                        help="the servers' persistent XLA compilation cache ('' for none), so that timed "
+                             "rounds do not include compiling a shape the warm-up pass did not reach")
     parser.add_argument("--model", default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     max_length = 1 << (args.prompt_len + args.budget).bit_length()
     # One CPU thread per server so that servers do not steal each other's cores.
     env = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}
+    if args.compilation_cache:
+        env.update(JAX_COMPILATION_CACHE_DIR=args.compilation_cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                   JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
     slots = [int(n) for n in args.slots.split(",")]
     pools = [int(n) for n in args.pool.split(",")]
     pools = pools * len(slots) if len(pools) == 1 else pools

@@ -21,7 +21,8 @@ it starts as soon as room frees up.
   again). Otherwise a turn runs at home even past the budget: the engine's own admission and
   retraction absorb the excess.
 - A new trajectory starts where its group's first one started when it fits there (the group's 2G
-  rollouts share their prompt's KV pages), else on the generator with the most free budget. New
+  rollouts share their prompt's KV pages), else on the least loaded generator (the largest share of
+  its budget free, so that servers of different sizes get load in proportion). New
   trajectories start in arrival order: none overtakes another, so none starves.
 `reconcile()` reads what the generators report (`capacity()`: `/get_server_info` with `/v1/loads` or
 `/get_load` for SGLang servers).
@@ -397,8 +398,10 @@ class KvScheduler(_Rotation):
         return self.free(index) >= min(tokens, self.largest_request(index))
 
     def _freest(self, exclude: int | None = None) -> int | None:
+        """The least loaded generator: the largest share of its budget free, so that load follows
+        each generator's size (a larger pool also brings more compute: more GPUs, or larger ones)."""
         live = [i for i in self._live_indices() if i != exclude]
-        return max(live, key=lambda i: (self.free(i), -i)) if live else None
+        return max(live, key=lambda i: (self.free(i) / max(1, self.budget(i)), -i)) if live else None
 
     def _continue_on(self, turn: _Turn) -> int:
         """Where a started trajectory's turn runs: its home, whose ledger already holds its prefix and
