@@ -86,11 +86,15 @@ def get_config() -> ml_collections.ConfigDict:
     # turn reserves its context plus new_token_ratio x its expected output ("expected"; "worst-case":
     # its whole remaining budget) on a server, up to budget_fraction of the server's KV pool; the
     # servers' reported use is read every reconcile_interval_s seconds (0: only before the first turn).
+    # A group's rollouts start group_block at a time on one server (they share their prompt's KV
+    # there); the next block goes to the least loaded server, so that one long group does not make
+    # one server's tail.
     c.rollout.kv_scheduler = ml_collections.ConfigDict()
     c.rollout.kv_scheduler.reservation = "expected"
     c.rollout.kv_scheduler.new_token_ratio = 0.65
     c.rollout.kv_scheduler.budget_fraction = 1.0
     c.rollout.kv_scheduler.reconcile_interval_s = 10.0
+    c.rollout.kv_scheduler.group_block = 8
     c.rollout.rollouts_per_prompt = 32  # spec §5.3: 32 rollouts per prompt, RoC keeps 16
     c.rollout.temperature = 1.0  # spec §5.3: rollout temperature 1.0
     c.rollout.top_p = 1.0  # spec §5.3: verl default

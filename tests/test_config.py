@@ -174,6 +174,7 @@ def test_tiny_config_describes_a_tiny_model():
     ({"rollout.kv_scheduler.reservation": "best"}, r"config.rollout.kv_scheduler.reservation: must be one of "
                                                    r"\('expected', 'worst-case'\)"),
     ({"rollout.kv_scheduler.new_token_ratio": 0.0}, r"config.rollout.kv_scheduler.new_token_ratio: must be in \(0"),
+    ({"rollout.kv_scheduler.group_block": 0}, r"config.rollout.kv_scheduler.group_block: must be a positive integer"),
     ({"rollout.kv_scheduler.budget_fraction": 1.5}, r"config.rollout.kv_scheduler.budget_fraction: must be in \(0"),
     ({"rollout.kv_scheduler.reconcile_interval_s": -1.0}, r"config.rollout.kv_scheduler.reconcile_interval_s: "
                                                           r"must be in \[0, inf\], got -1.0"),

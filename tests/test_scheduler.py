@@ -151,23 +151,25 @@ def test_most_free_first_waiting_parking_and_sticky_homes():
     asyncio.run(run())
 
 
-def test_a_group_goes_where_its_first_trajectory_went_when_it_fits():
+def test_a_group_starts_in_blocks_where_its_previous_members_started():
     gens = [FakeGenerator("a", 1000), FakeGenerator("b", 1000)]
-    scheduler = KvScheduler(gens, reservation="worst-case")
+    scheduler = KvScheduler(gens, reservation="worst-case", group_block=2)
 
     async def run():
         hold = asyncio.Event()
         first = asyncio.ensure_future(_turn(scheduler, "g0-0", 100, 100, hold=hold, group=0))
         await asyncio.sleep(0.01)
-        # a holds 200 and b nothing, yet the group's second rollout joins the first (its prompt is there)
-        second = asyncio.ensure_future(_turn(scheduler, "g0-1", 100, 100, hold=hold, group=0))
+        # a holds 200 and b nothing, yet the group's second rollout joins the first (its prompt is there);
+        # its third starts a new block on the least loaded server, so a long group is not all on one
+        rest = [asyncio.ensure_future(_turn(scheduler, f"g0-{i}", 100, 100, hold=hold, group=0)) for i in (1, 2)]
         other = asyncio.ensure_future(_turn(scheduler, "g1-0", 100, 100, hold=hold, group=1))
         await asyncio.sleep(0.01)
         hold.set()
-        return await first, await second, await other
+        return [await t for t in (first, *rest, other)]
 
-    first, second, other = asyncio.run(run())
-    assert first is second is gens[0] and other is gens[1]
+    assert [g.name for g in asyncio.run(run())] == ["a", "a", "b", "b"]
+    with pytest.raises(ValueError, match="group_block"):
+        KvScheduler(gens, group_block=0)
 
 
 def test_an_overloaded_generators_turn_moves_where_it_fits():

@@ -466,6 +466,7 @@ def _check_values(check: Checker) -> None:
     check.range("rollout.kv_scheduler.new_token_ratio", 0, 1, low_open=True)
     check.range("rollout.kv_scheduler.budget_fraction", 0, 1, low_open=True)
     check.range("rollout.kv_scheduler.reconcile_interval_s", 0, None)
+    check.positive_int("rollout.kv_scheduler.group_block")
     check.enum("rollout.template", TEMPLATE_STYLES)
     # Turns, budget, sampling and the tool protocol: the rollout loop's own checks, for RL's
     # settings and for the evaluation protocol's.

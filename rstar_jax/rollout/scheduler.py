@@ -20,9 +20,11 @@ it starts as soon as room frees up.
   another has room for the whole turn; then it moves there (rebalancing: its context is prefilled
   again). Otherwise a turn runs at home even past the budget: the engine's own admission and
   retraction absorb the excess.
-- A new trajectory starts where its group's first one started when it fits there (the group's 2G
-  rollouts share their prompt's KV pages), else on the least loaded generator (the largest share of
-  its budget free, so that servers of different sizes get load in proportion). New
+- A new trajectory starts where its group's previous one started when it fits there, up to
+  `group_block` in a row (the group's rollouts share their prompt's KV pages there; blocks, because
+  the rollouts of one prompt tend to be long or short together, and one server holding a whole long
+  group makes the step's tail), else on the least loaded generator (the largest share of its budget
+  free, so that servers of different sizes get load in proportion). New
   trajectories start in arrival order: none overtakes another, so none starves.
 `reconcile()` reads what the generators report (`capacity()`: `/get_server_info` with `/v1/loads` or
 `/get_load` for SGLang servers).
@@ -60,6 +62,7 @@ INITIAL_NEW_TOKEN_RATIO = 0.7
 # (benchmarks/rollout_sim.py measures the trade-off; retraction covers the turns that outgrow it).
 NEW_TOKEN_RATIO = 0.65
 GROUP_MEMORY = 4096  # groups whose placement is remembered
+GROUP_BLOCK = 8
 
 
 class _Rotation:
@@ -195,7 +198,7 @@ class KvScheduler(_Rotation):
     """
 
     def __init__(self, generators: Sequence[Generator], *, budget_fraction: float = 1.0,
-                 reservation: str = "expected", new_token_ratio: float = NEW_TOKEN_RATIO,
+                 reservation: str = "expected", new_token_ratio: float = NEW_TOKEN_RATIO, group_block: int = GROUP_BLOCK,
                  capacities: Sequence[int] | None = None, reconcile_interval: float | None = None):
         if not generators:
             raise ValueError("KvScheduler: generators must be non-empty")
@@ -205,12 +208,15 @@ class KvScheduler(_Rotation):
             raise ValueError(f"KvScheduler: reservation must be one of {RESERVATIONS}, got {reservation!r}")
         if not 0.0 < new_token_ratio <= 1.0:
             raise ValueError(f"KvScheduler: new_token_ratio must be in (0, 1], got {new_token_ratio}")
+        if group_block < 1:
+            raise ValueError(f"KvScheduler: group_block must be >= 1, got {group_block}")
         if capacities is not None and len(capacities) != len(generators):
             raise ValueError(f"KvScheduler: {len(capacities)} capacities for {len(generators)} generators")
         self.generators = list(generators)
         self.budget_fraction = budget_fraction
         self.reservation = reservation
         self.new_token_ratio = new_token_ratio
+        self.group_block = group_block
         self.reconcile_interval = reconcile_interval
         self._ledgers: list[GeneratorLedger] | None = (
             None if capacities is None else [GeneratorLedger(int(c)) for c in capacities])
@@ -218,7 +224,8 @@ class KvScheduler(_Rotation):
         self._fresh: collections.deque[_Turn] = collections.deque()  # new trajectories waiting to start
         self._waiting = 0
         self._seq = itertools.count()
-        self._group_home: collections.OrderedDict[Hashable, int] = collections.OrderedDict()
+        # group -> [generator its latest members started on, how many started there in a row]
+        self._group_home: collections.OrderedDict[Hashable, list[int]] = collections.OrderedDict()
         self._last_reconcile = 0.0
         self._init_lock = asyncio.Lock()
         self.admitted = 0  # trajectories placed so far
@@ -430,10 +437,14 @@ class KvScheduler(_Rotation):
             trajectory.placed = True
             self.admitted += 1
             ledger.admitted += 1
-            if trajectory.group is not None and trajectory.group not in self._group_home:
-                self._group_home[trajectory.group] = index
-                while len(self._group_home) > GROUP_MEMORY:
-                    self._group_home.popitem(last=False)
+            if trajectory.group is not None:
+                home = self._group_home.get(trajectory.group)
+                if home is not None and home[0] == index:
+                    home[1] += 1
+                else:
+                    self._group_home[trajectory.group] = [index, 1]
+                    while len(self._group_home) > GROUP_MEMORY:
+                        self._group_home.popitem(last=False)
         turn.index, turn.reserved = index, self._footprint(turn)
         ledger.reserved += turn.reserved
         ledger.running += 1
@@ -456,9 +467,10 @@ class KvScheduler(_Rotation):
             return
         while (turn := self._head(self._fresh)) is not None:
             full = self._footprint(turn)
-            group_home = self._group_home.get(turn.trajectory.group)
-            if group_home is not None and group_home not in self.down and self._fits(group_home, full):
-                target = group_home
+            home = self._group_home.get(turn.trajectory.group)
+            if (home is not None and home[1] < self.group_block and home[0] not in self.down
+                    and self._fits(home[0], full)):
+                target = home[0]
             else:
                 target = self._freest()
                 if target is None or not self._fits(target, full):

@@ -433,7 +433,7 @@ async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine
             if config.rollout.scheduler == "kv":
                 k = config.rollout.kv_scheduler
                 resources.scheduler = KvScheduler(share, budget_fraction=k.budget_fraction, reservation=k.reservation,
-                                                  new_token_ratio=k.new_token_ratio,
+                                                  new_token_ratio=k.new_token_ratio, group_block=k.group_block,
                                                   reconcile_interval=k.reconcile_interval_s or None)
             else:
                 resources.scheduler = RoundRobinScheduler(share)
