@@ -133,7 +133,16 @@ def get_config() -> ml_collections.ConfigDict:
     # KV page pool in tokens (SGLang's max_total_num_tokens); 0 means slots x max_length. Set it to
     # what memory holds: below slots x max_length the engine overcommits and retracts under pressure.
     c.rollout.engine.max_total_tokens = 0
+    # SGLang's --mem-fraction-static: with max_total_tokens 0 and this > 0, that fraction of each
+    # device's memory limit holds what is in use when the engine starts (weights, optimizer state)
+    # and the pool, which gets the rest. Training activations come later: leave them room. 0: off
+    # (slots x max_length); devices without memory statistics (CPU) fall back to that too.
+    c.rollout.engine.mem_fraction_static = 0.0
     c.rollout.engine.page_size = 16  # tokens per KV page
+    # SGLang's --chunked-prefill-size (its default on large GPUs): one engine step prefills at most
+    # this many tokens, so a long context (a retracted trajectory's recompute) is prefilled over
+    # several steps while the others decode, and a prefill's activations stay bounded. 0: off.
+    c.rollout.engine.chunked_prefill_size = 8192
 
     c.rl = ml_collections.ConfigDict()
     c.rl.group_size = 16  # spec §5.3: RoC keeps 16 of 32

@@ -3,8 +3,8 @@ evaluation use of it) over `JaxEngine`; routes and semantics in `rstar_jax.rollo
 
     python -m rstar_jax.serve --model-path PATH_OR_PRESET [--tokenizer-path DIR] [--host 127.0.0.1]
         [--port 30000] [--context-length N] [--max-running-requests N] [--max-total-tokens N]
-        [--mem-fraction-static F] [--page-size N] [--tp-size N] [--dp-size 1] [--random-seed S]
-        [--served-model-name NAME] [--skip-tokenizer-init] [--enable-deterministic-inference]
+        [--mem-fraction-static F] [--page-size N] [--chunked-prefill-size N] [--tp-size N] [--dp-size 1]
+        [--random-seed S] [--served-model-name NAME] [--skip-tokenizer-init] [--enable-deterministic-inference]
         [--enable-metrics] [--sampling-defaults openai] [--log-level LEVEL] [--port-file F]
 
 The flags are SGLang's, with its meanings:
@@ -20,6 +20,8 @@ The flags are SGLang's, with its meanings:
   the device memory JAX may use holds the weights and the pool. A device without memory statistics
   (CPU) gets max-running-requests x context-length tokens (logged). A pool below that is
   overcommitted: requests are retracted under pressure, as SGLang does.
+- `--chunked-prefill-size`: prefill tokens per engine step; a longer context is prefilled in chunks
+  while running requests decode. Off by default (-1 or 0 also mean off).
 - `--enable-deterministic-inference`: honour `sampling_seed` (OpenAI `seed`); without it the seed
   is ignored, as SGLang does (the engine's sampling is deterministic per seed and position either
   way). `--random-seed` seeds the unseeded draws.

@@ -158,3 +158,28 @@ def test_a_continuing_stage_takes_the_previous_runs_model_and_tokenizer(tmp_path
     mine = _config(**{"train.init_from": str(tmp_path / "stage1"), "model.hf_path": "", "tokenizer.path": "mine"})
     builders.continue_previous_stage(mine)
     assert mine.tokenizer.path == "mine"  # what the user set wins
+
+
+def test_the_engine_pool_follows_mem_fraction_static_unless_max_total_tokens_is_set(capsys):
+    """rollout.engine.mem_fraction_static sizes the in-process engine's KV pool as SGLang does; a CPU
+    reports no memory statistics, so the pool falls back to slots x max_length (said on stdout), and a
+    fallback beyond that fraction of the host's memory is refused naming the fields to change.
+    max_total_tokens overrides the fraction; chunked_prefill_size reaches the engine (-1: off)."""
+    from flax import nnx
+
+    from rstar_jax.errors import UserError
+    from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
+
+    model = Qwen3(Qwen3Config.tiny(), rngs=nnx.Rngs(0))
+    small = {"rollout.engine.slots": 2, "rollout.engine.max_length": 64, "rollout.engine.mem_fraction_static": 0.5}
+    for overrides, pool, chunk in (({"rollout.engine.chunked_prefill_size": 32}, 2 * 64, 32),
+                                   ({"rollout.engine.max_total_tokens": 256,
+                                     "rollout.engine.chunked_prefill_size": -1}, 256, None)):
+        engine = builders.make_engine(_config(**small, **overrides), model, None)
+        engine.close()
+        assert (engine.max_total_tokens, engine.chunked_prefill_size) == (pool, chunk)
+        fallback = "cpu reports no memory statistics: KV pool of slots x max_length = 128 tokens"
+        assert (fallback in capsys.readouterr().out) == (pool == 128)
+    with pytest.raises(UserError, match=r"more than config.rollout.engine.mem_fraction_static 0.5 of this host's .*; "
+                                        r"pass config.rollout.engine.max_total_tokens"):
+        builders.make_engine(_config(**{**small, "rollout.engine.slots": 1 << 30}), model, None)

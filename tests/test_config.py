@@ -163,14 +163,14 @@ def test_tiny_config_describes_a_tiny_model():
     ({"rollout.engine.max_total_tokens": 4096}, r"config.rollout.engine.max_total_tokens: must be 0 .* or >= "
                                                 r"rollout.engine.max_length \(10240\)"),
     ({"rollout.engine.page_size": 0}, r"config.rollout.engine.page_size: must be a positive integer, got 0"),
+    ({"rollout.engine.mem_fraction_static": 1.0}, r"config.rollout.engine.mem_fraction_static: must be in "
+                                                  r"\[0, 1\), got 1.0"),
+    ({"rollout.engine.mem_fraction_static": -0.1}, r"config.rollout.engine.mem_fraction_static: must be in \[0, 1\)"),
+    ({"rollout.engine.chunked_prefill_size": -2}, r"config.rollout.engine.chunked_prefill_size: must be a positive "
+                                                  r"integer, or 0 or -1 \(off\), got -2"),
     ({"rollout.temperature": 0.0}, r"config.rollout.temperature: must be in \(0.0, inf\]"),
     ({"rollout.top_k": 0}, r"config.rollout.top_k: must be -1 \(off\) or >= 1, got 0"),
     ({"rollout.scheduler": "random"}, r"config.rollout.scheduler: must be one of \('kv', 'round_robin'\)"),
-    ({"rollout.backend": "sglang"}, r"config.rollout.servers: the sglang backend needs at least one server"),
-    ({"data.on_bad_row": "ignore"}, r"config.data.on_bad_row: must be one of \('error', 'skip'\)"),
-    ({"data.answer_key": "a..b"}, r"config.data.answer_key: must be 'auto' or a dotted path"),
-    ({"data.synthetic.kinds": ("nope",)}, r"config.data.synthetic.kinds: unknown kind 'nope'"),
-    ({"optim.schedule": "linear"}, r"config.optim.schedule: must be one of \('constant', 'cosine', 'wsd'\)"),
     ({"rollout.kv_scheduler.reservation": "best"}, r"config.rollout.kv_scheduler.reservation: must be one of "
                                                    r"\('expected', 'worst-case'\)"),
     ({"rollout.kv_scheduler.new_token_ratio": 0.0}, r"config.rollout.kv_scheduler.new_token_ratio: must be in \(0"),
@@ -178,6 +178,11 @@ def test_tiny_config_describes_a_tiny_model():
     ({"rollout.kv_scheduler.budget_fraction": 1.5}, r"config.rollout.kv_scheduler.budget_fraction: must be in \(0"),
     ({"rollout.kv_scheduler.reconcile_interval_s": -1.0}, r"config.rollout.kv_scheduler.reconcile_interval_s: "
                                                           r"must be in \[0, inf\], got -1.0"),
+    ({"rollout.backend": "sglang"}, r"config.rollout.servers: the sglang backend needs at least one server"),
+    ({"data.on_bad_row": "ignore"}, r"config.data.on_bad_row: must be one of \('error', 'skip'\)"),
+    ({"data.answer_key": "a..b"}, r"config.data.answer_key: must be 'auto' or a dotted path"),
+    ({"data.synthetic.kinds": ("nope",)}, r"config.data.synthetic.kinds: unknown kind 'nope'"),
+    ({"optim.schedule": "linear"}, r"config.optim.schedule: must be one of \('constant', 'cosine', 'wsd'\)"),
     ({"sft.decay_ratio": 0.0}, r"config.sft.decay_ratio: must be in \(0, 1\], got 0.0"),
     ({"rollout.ready_timeout_s": 0}, r"config.rollout.ready_timeout_s: must be > 0, got 0"),
     ({"checkpoint.export_dtype": "int8"}, r"config.checkpoint.export_dtype: must be '' \(the model's param_dtype\)"),

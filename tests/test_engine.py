@@ -419,3 +419,207 @@ def test_sharded_engine_on_the_8_device_mesh_matches_and_takes_resharded_weights
             assert r.token_ids == _reference(other, p, 5)[0]
     finally:
         eng.close()
+
+
+# Prefix sharing and chunked prefill: one engine shape (8 slots, 8-token pages) with sharing on and off.
+SHARING = dict(slots=8, max_length=96, page_size=8, prefill_buckets=(16, 32, 64))
+
+
+@pytest.fixture(scope="module")
+def sharing_pair(model):
+    on, off = JaxEngine(model, **SHARING), JaxEngine(model, prefix_sharing=False, **SHARING)
+    yield on, off
+    on.close()
+    off.close()
+
+
+def _same_outputs(results, expected, atol=1e-5):
+    for r, e in zip(results, expected, strict=True):
+        assert r.token_ids == e.token_ids and r.finish_reason == e.finish_reason
+        np.testing.assert_allclose(r.logprobs, e.logprobs, atol=atol)
+
+
+def _assert_no_leaks(eng):
+    """Idle: no request holds a page; every page is free or held by the cached prefixes naming it."""
+    assert eng.is_idle() and not any(eng._slot_refs) and not eng._prefilling.any()
+    holders = [0] * eng.num_pages
+    for pages in eng._prefixes.values():
+        for page in pages:
+            holders[page] += 1
+    assert holders == eng._cache_refs and sorted(eng._free_pages) == [p for p, n in enumerate(holders) if n == 0]
+    assert (eng._page_table == eng.num_pages).all()
+
+
+def _run_all(eng, prompts, params, rids=None):
+    async def run():
+        return await asyncio.gather(*[eng.generate(p, s, rid) for p, s, rid in
+                                      zip(prompts, params, rids or [None] * len(params))])
+    return asyncio.run(run())
+
+
+def _record_used_pages(eng):
+    """Pages in use (neither free nor evictable) at each decode step, from the engine thread."""
+    used, grow = [], eng._grow_pages
+
+    def recording():
+        grow()
+        used.append(eng.num_pages - len(eng._free_pages) - eng._evictable_pages)
+
+    eng._grow_pages = recording
+    return used
+
+
+def test_identical_prompts_share_their_pages_and_sample_as_unshared(sharing_pair):
+    """Eight rollouts of one 40-token prompt: one prefill, seven that share its first four pages and
+    recompute only the last page; pool use stays under one copy per rollout; seeded samples and
+    log-probs equal those of an engine without sharing."""
+    on, off = sharing_pair
+    prompt = _prompt(40, 80)
+    params = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=500 + i) for i in range(8)]
+    on_used, off_used = _record_used_pages(on), _record_used_pages(off)
+    before = on.shared_pages, on.shared_tokens
+    try:
+        shared, plain = _run_all(on, [prompt] * 8, params), _run_all(off, [prompt] * 8, params)
+    finally:
+        del on._grow_pages, off._grow_pages
+    _same_outputs(shared, plain)
+    assert len({tuple(r.token_ids) for r in shared}) > 1  # the seeds really differ
+    assert sorted(r.cached_tokens for r in shared) == [0] + [32] * 7 and all(r.cached_tokens == 0 for r in plain)
+    assert (on.shared_pages - before[0], on.shared_tokens - before[1]) == (7 * 4, 7 * 32)
+    # 4 shared pages + 2 private per rollout (its last prompt page, one for decoding) against 8 x 6.
+    assert max(on_used) <= 4 + 8 * 2 < 8 * 5 <= max(off_used)
+    _assert_no_leaks(on)
+
+
+def test_a_partial_shared_page_is_recomputed_privately(model, sharing_pair):
+    """37-token prompts: four full pages shared, the partial fifth recomputed by each sharer; greedy
+    tokens and log-probs equal the unshared engine's and the full-forward reference."""
+    on, off = sharing_pair
+    prompt = _prompt(37, 81)
+    params = [SamplingParams(max_new_tokens=6, temperature=0.0)] * 4
+    shared, plain = _run_all(on, [prompt] * 4, params), _run_all(off, [prompt] * 4, params)
+    _same_outputs(shared, plain)
+    assert sorted(r.cached_tokens for r in shared) == [0, 32, 32, 32]
+    tokens, logprobs = _reference(model, prompt, 6)
+    assert shared[0].token_ids == tokens
+    np.testing.assert_allclose(shared[1].logprobs, logprobs, atol=1e-5)
+    # Finished requests leave the shared pages cached: a later rollout shares them again.
+    again = _run_all(on, [prompt], [SamplingParams(max_new_tokens=6, temperature=0.0)])[0]
+    assert again.cached_tokens == 32 and again.token_ids == tokens
+    # Two next turns of that conversation: one takes the cached 42-token prefix over (its partial
+    # page included), the other shares its five full pages instead of missing.
+    turn = [prompt + tokens + [7]] * 2
+    params = [SamplingParams(max_new_tokens=4, temperature=0.0)] * 2
+    continued = _run_all(on, turn, params)
+    assert sorted(r.cached_tokens for r in continued) == [40, 42]
+    _same_outputs(continued, _run_all(off, turn, params))
+    _assert_no_leaks(on)
+
+
+def test_shared_prompts_in_an_overcommitted_pool_retract_without_changing_outputs(model):
+    """Four rollouts of one prompt in a 16-page pool their outputs outgrow (the shapes of the
+    overcommitted-pool test): sharers are retracted and re-admitted (sharing again), outputs equal
+    those of the same engine without sharing, and every page comes back."""
+    shape = dict(slots=4, max_length=96, max_total_tokens=128, page_size=8, prefill_buckets=(16, 32, 64))
+    small, off = JaxEngine(model, **shape), JaxEngine(model, prefix_sharing=False, **shape)
+    prompt = _prompt(20, 82)
+    params = [SamplingParams(max_new_tokens=70, temperature=0.0), SamplingParams(max_new_tokens=66, temperature=0.0),
+              SamplingParams(max_new_tokens=70, temperature=1.0, seed=9),
+              SamplingParams(max_new_tokens=68, temperature=0.8, top_k=20, seed=10)]
+    try:
+        shared, plain = _run_all(small, [prompt] * 4, params), _run_all(off, [prompt] * 4, params)
+        assert small.retractions > 0 and small.shared_pages > 0 and off.shared_pages == 0
+        _same_outputs(shared, plain, atol=1e-4)
+        _assert_no_leaks(small)
+        assert small.flush_cache() and sorted(small._free_pages) == list(range(small.num_pages))
+        assert not small._page_index and not any(small._cache_refs) and small._evictable_pages == 0
+    finally:
+        small.close()
+        off.close()
+
+
+def test_aborting_one_sharer_leaves_the_others_untouched(sharing_pair):
+    on, off = sharing_pair
+    prompt = _prompt(37, 83)
+    params = [SamplingParams(max_new_tokens=55 if i == 0 else 20, temperature=1.0, seed=600 + i) for i in range(4)]
+    rids = [f"share{i}" for i in range(4)]
+
+    async def run():
+        tasks = [asyncio.ensure_future(on.generate(prompt, s, rid)) for s, rid in zip(params, rids)]
+        for rid in rids[1:]:
+            await _wait_for_tokens(on, rid, 2)
+        with on._lock:  # between two steps: the first request (the one that prefilled) is still running
+            assert any(r is not None and r.rid == "share0" for r in on._active)
+            held = {page for pages in on._slot_pages for page in pages}
+            assert (await on.capacity()).used_tokens == len(held) * 8  # a shared page counts once
+            assert sum(map(len, on._slot_pages)) - len(held) == 3 * 4  # three sharers of four pages
+            await on.abort("share0")
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    expected = _run_all(off, [prompt] * 4, params)
+    assert results[0].finish_reason == "abort" and 0 < len(results[0].token_ids) < 55
+    assert results[0].token_ids == expected[0].token_ids[:len(results[0].token_ids)]
+    _same_outputs(results[1:], expected[1:])
+    assert sorted(r.cached_tokens for r in results) == [0, 32, 32, 32]
+    _assert_no_leaks(on)
+
+
+def test_chunked_prefill_matches_unchunked_and_lets_others_decode(model, sharing_pair):
+    """A 44-token prompt prefilled 16 tokens per step (within the sharing tests' compiled shapes):
+    greedy and seeded outputs equal the unchunked engine's; a running request decodes one token per
+    chunk meanwhile; a request retracted mid-prefill (pause "retract") starts over and samples the same."""
+    _, off = sharing_pair
+    eng = JaxEngine(model, chunked_prefill_size=16, **SHARING)
+    long = _prompt(44, 84)
+    params = [SamplingParams(max_new_tokens=4, temperature=0.0), SamplingParams(max_new_tokens=4, temperature=1.0,
+                                                                               seed=11)]
+    calls, prefill, admit = [], eng._prefill_group, eng._admit
+
+    def recording(group):
+        running = [len(r.tokens) for r in eng._active if r is not None and r.rid == "short"]
+        calls.append(([(r.rid, start, end) for _, r, start, end in group], running))
+        prefill(group)
+
+    paused = []
+
+    def pausing():  # pauses (from the engine thread, between two chunks) once "retracted" is mid-prefill
+        admit()
+        if not paused and any(r is not None and r.rid == "retracted" and eng._prefilling[i]
+                              for i, r in enumerate(eng._active)):
+            paused.append(eng.pause("retract"))
+
+    eng._prefill_group, eng._admit = recording, pausing
+    try:
+        chunked, plain = _run_all(eng, [long] * 2, params), _run_all(off, [long] * 2, params)
+        _same_outputs(chunked, plain)
+        assert chunked[1].cached_tokens == 40  # the second shares the pages the first's chunks wrote
+
+        async def beside_a_decode():
+            short = asyncio.ensure_future(eng.generate(_prompt(5, 85), SamplingParams(max_new_tokens=40,
+                                                                                      temperature=0.0), "short"))
+            await _wait_for_tokens(eng, "short", 2)
+            result = await eng.generate(_prompt(44, 86), params[0], "long")
+            return result, await short
+
+        calls.clear()
+        result, _ = asyncio.run(beside_a_decode())
+        chunks = [(rows[0], running) for rows, running in calls if rows[0][0] == "long"]
+        assert [row[1:] for row, _ in chunks] == [(0, 16), (16, 32), (32, 44)]
+        progress = [running[0] for _, running in chunks]
+        assert progress == list(range(progress[0], progress[0] + 3))  # one decoded token per chunk
+        assert result.token_ids == _run_all(off, [_prompt(44, 86)], [params[0]])[0].token_ids
+
+        async def retracted_mid_prefill():
+            task = asyncio.ensure_future(eng.generate(_prompt(44, 87), params[1], "retracted"))
+            while not paused:
+                await asyncio.sleep(0.001)
+            eng.resume()
+            return await task
+
+        result = asyncio.run(retracted_mid_prefill())
+        assert paused == [1] and result.num_retractions == 1
+        _same_outputs([result], _run_all(off, [_prompt(44, 87)], [params[1]]))
+        _assert_no_leaks(eng)
+    finally:
+        eng.close()

@@ -21,13 +21,15 @@ pytestmark = pytest.mark.slow  # a `rstar_jax.serve` subprocess
 
 CONFIG = Qwen3Config.tiny()
 SLOTS, MAX_LENGTH, POOL, PAGE = 2, 512, 768, 16  # a pool below slots x context: overcommitted
+CHUNK = 64  # --chunked-prefill-size: recomputes after a retraction are prefilled in chunks
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 LONG = SamplingParams(max_new_tokens=480, temperature=0.0)
 
 
 @pytest.fixture(scope="module")
 def server():
-    with LocalServer("tiny", slots=SLOTS, max_length=MAX_LENGTH, max_total_tokens=POOL, page_size=PAGE, seed=0) as s:
+    with LocalServer("tiny", slots=SLOTS, max_length=MAX_LENGTH, max_total_tokens=POOL, page_size=PAGE, seed=0,
+                     extra_args=("--chunked-prefill-size", str(CHUNK))) as s:
         yield s
 
 
@@ -82,6 +84,19 @@ def test_generate_returns_sglang_format_and_matches_the_full_forward(server):
     assert "output_token_logprobs" not in json.loads(text)["meta_info"]  # return_logprob defaults to false
 
 
+def test_a_prompt_longer_than_the_prefill_chunk_matches_the_full_forward(server):
+    prompt = _prompt(100, 7)  # prefilled as 64 + 36 tokens
+    tokens, logprobs = _reference(Qwen3(CONFIG, rngs=nnx.Rngs(0)), prompt, 6)
+
+    async def run():
+        async with SGLangGenerator(server.url) as gen:
+            return await gen.generate(prompt, GREEDY)
+
+    result = asyncio.run(run())
+    assert result.token_ids == tokens
+    np.testing.assert_allclose(result.logprobs, logprobs, atol=1e-4)
+
+
 def test_bad_requests_name_the_field(server):
     cases = [
         ({"input_ids": []}, "input_ids must be a non-empty list"),
@@ -115,6 +130,7 @@ def test_info_load_health_and_memory_endpoints(server):
     info, loads, capacity, healthy, version = asyncio.run(run())
     assert info["max_total_num_tokens"] == POOL == capacity.total_tokens and info["page_size"] == PAGE
     assert info["max_req_input_len"] == MAX_LENGTH - 1 and info["max_running_requests"] == SLOTS
+    assert info["chunked_prefill_size"] == CHUNK
     assert info["internal_states"][0]["memory_usage"]["token_capacity"] == POOL
     assert loads[0]["num_running_reqs"] == 0 and loads[0]["max_total_num_tokens"] == POOL
     assert healthy and version == "0"

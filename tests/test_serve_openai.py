@@ -328,7 +328,8 @@ def test_bad_flags_and_tokenizers_exit_2_without_a_traceback(tmp_path, capsys):
     save_pretrained(Qwen3(Qwen3Config.tiny(), rngs=nnx.Rngs(0)), no_tokenizer)
     for argv, message in [(["--model-path", str(no_tokenizer)], "no tokenizer.json"),
                           (["--model-path", "tiny", "--dp-size", "2"], "--dp-size 2"),
-                          (["--model", "tiny", "--mem-fraction-static", "1.5"], "--mem-fraction-static")]:
+                          (["--model", "tiny", "--mem-fraction-static", "1.5"], "--mem-fraction-static"),
+                          (["--model", "tiny", "--chunked-prefill-size", "-2"], "--chunked-prefill-size")]:
         with pytest.raises(SystemExit) as exit_info:
             serve.main(argv)
         err = capsys.readouterr().err

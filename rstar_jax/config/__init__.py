@@ -480,6 +480,11 @@ def _check_values(check: Checker) -> None:
         check.require(pool == 0 or pool >= r.engine.max_length, "rollout.engine.max_total_tokens",
                       f"must be 0 (slots x max_length) or >= rollout.engine.max_length ({r.engine.max_length}) "
                       f"so that one sequence fits, got {pool}")
+    check.range("rollout.engine.mem_fraction_static", 0, 1, high_open=True)
+    if check.ok("rollout.engine.chunked_prefill_size"):
+        chunk = r.engine.chunked_prefill_size
+        check.require(_is_int(chunk) and chunk >= -1, "rollout.engine.chunked_prefill_size",
+                      f"must be a positive integer, or 0 or -1 (off), got {chunk!r}")
     # Training log-probs divide the logits by the sampling temperature: RL cannot sample greedily.
     check.range("rollout.temperature", 0.0, None, low_open=True)
     check.non_empty("rollout.tool_name", "the tool's name")

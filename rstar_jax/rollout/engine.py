@@ -15,7 +15,7 @@ Admission and retraction follow SGLang's scheduler. A request is admitted when i
 `new_token_ratio` x its remaining output budget fits beside the same estimate for every running
 request. The ratio starts at 0.7 and decays by 0.001 per decode step to 0.098, so the pool is
 overcommitted on purpose. When a decode step needs a page and none is free, the running request
-with the fewest output tokens (then the longest prompt) is retracted: its pages are freed, it keeps
+with the fewest output tokens (then the longest prompt) is retracted: its pages are released, it keeps
 its tokens, and it goes back to the front of the queue. When it is re-admitted, prompt + output is
 prefilled again (recomputed) and decoding goes on. The ratio then rises to SGLang's estimate.
 Results count their retractions (`num_retractions`). Seeded rows draw per-position keys, so a
@@ -27,6 +27,28 @@ the same engine by a sticky scheduler) takes the pages over and prefills only th
 (`cached_tokens` in its result). Cached pages are evicted, least recently cached first, whenever
 admission or decoding needs them, before any running request is retracted. A weight update or
 `flush_cache()` drops the cache, since its KV came from the old weights.
+
+Prefix sharing (as SGLang's radix cache, at page granularity): pages are reference counted, and every
+full page a prefill writes is indexed by (the page before it, its tokens). A request whose context
+starts with pages some running request or cached prefix holds shares them instead of prefilling
+them: the 2G rollouts of one GRPO prompt prefill it once. Shared pages are full and never written
+again (decode writes past a sequence's length). The last, partial page of a shared prefix is not
+shared: its tokens, at most a page, are recomputed into a private page with the request's own
+prefill (no copy kernel), and at least the context's last token is always prefilled, since its
+logits give the first sample. When the head of the queue would share pages a request admitted in
+the same step is about to write, that request is prefilled first and the head admitted after it.
+A page returns to the free stack when its last holder (a request or a cached prefix) lets it go;
+the admission estimate and `capacity()` count a shared page once. `shared_pages` and
+`shared_tokens` count what sharing supplied (see `JaxEngine`). Sharing follows `prefix_cache` unless
+`prefix_sharing` says otherwise; outputs are those without it (log-probs up to float rounding).
+
+Chunked prefill (SGLang's `--chunked-prefill-size`): with `chunked_prefill_size`, one engine step
+prefills at most that many tokens. A context that does not fit is prefilled a chunk per step, ending
+on page boundaries, while the running requests decode a token per step beside it; its intermediate
+chunks' samples are discarded (seeded draws depend only on the seed and position, so nothing later
+changes) and it samples its first token after its last chunk. One request is chunked at a time, and
+it goes before new admissions. A request retracted, aborted or paused mid-prefill is handled as any
+running one (a retracted one starts its prefill over on re-admission).
 
 Log-probs match SGLang (see `rstar_jax.rollout.sampling`): log-softmax of the temperature-scaled
 logits at the sampled token, before top-p / top-k truncation; `original_logprobs=True` gives the raw
@@ -190,6 +212,11 @@ class JaxEngine:
     prefill_batch: requests admitted in one step are prefilled together, this many rows per call
     (a lone request runs as one row, so there are two compiled shapes per prompt bucket).
     prefix_cache: keep finished requests' KV for requests that continue them (see the module docstring).
+    prefix_sharing: share full KV pages between requests whose contexts start alike (default: as
+    prefix_cache). chunked_prefill_size: prefill tokens per engine step (None or 0: no limit).
+    Counters: `shared_pages`, the pages admissions took from another holder (a running request or a
+    cached prefix) instead of prefilling them, and `shared_tokens`, the context tokens those pages
+    held, both cumulative over every admission (re-admissions after retraction included).
     The attribute `on_first_token` (default None), if set, is called from the engine thread with each
     request's seconds from submission to its first token, e.g. for a metrics histogram; it must be quick.
     """
@@ -198,7 +225,8 @@ class JaxEngine:
 
     def __init__(self, model: Qwen3, *, slots: int = 8, max_length: int = 2048,
                  max_total_tokens: int | None = None, page_size: int = 16, prefill_batch: int = 8,
-                 prefix_cache: bool = True,
+                 prefix_cache: bool = True, prefix_sharing: bool | None = None,
+                 chunked_prefill_size: int | None = None,
                  prefill_buckets: Sequence[int] = (64, 128, 256, 512, 1024, 2048, 4096, 8192),
                  seed: int = 0, cache_dtype: str | None = None, original_logprobs: bool = False,
                  mesh: jax.sharding.Mesh | None = None):
@@ -206,6 +234,8 @@ class JaxEngine:
             raise ValueError(f"JaxEngine: slots ({slots}) must be >= 1 and max_length ({max_length}) >= 2")
         if page_size < 1 or prefill_batch < 1:
             raise ValueError(f"JaxEngine: page_size ({page_size}) and prefill_batch ({prefill_batch}) must be >= 1")
+        if chunked_prefill_size is not None and chunked_prefill_size < 0:
+            raise ValueError(f"JaxEngine: chunked_prefill_size ({chunked_prefill_size}) must be >= 0 (0: off)")
         total = slots * max_length if max_total_tokens is None else int(max_total_tokens)
         if total < max_length:
             raise ValueError(f"JaxEngine: max_total_tokens ({total}) must be >= max_length ({max_length}) "
@@ -226,15 +256,27 @@ class JaxEngine:
         if mesh is not None:
             self._cache = jax.device_put(self._cache, pool_sharding(mesh, model.config.num_kv_heads))
         self._free_pages = list(range(self.num_pages - 1, -1, -1))  # a stack: pop() takes the lowest
+        # Holders per page: running requests (slots) and cached prefixes. A page with none is free; one
+        # held by cached prefixes only is evictable.
+        self._slot_refs = [0] * self.num_pages
+        self._cache_refs = [0] * self.num_pages
+        self._evictable_pages = 0
         self._slot_pages: list[list[int]] = [[] for _ in range(slots)]
         self._page_table = np.full((slots, self.pages_per_sequence), self.num_pages, np.int32)  # unallocated
         self.prefix_cache = prefix_cache
+        self.prefix_sharing = prefix_cache if prefix_sharing is None else prefix_sharing
+        self.chunked_prefill_size = chunked_prefill_size or None
+        # Full pages by (the page before, or -1, and their tokens): a prefix tree over the pool's pages.
+        self._page_index: dict[tuple[int, tuple[int, ...]], int] = {}
+        self._page_keys: dict[int, tuple[int, tuple[int, ...]]] = {}  # indexed page -> its key
+        self._prefilling = np.zeros(slots, bool)  # admitted, context not all prefilled yet (chunked)
+        self.shared_pages = 0
+        self.shared_tokens = 0
         # Cached prefix -> the pages holding its KV, least recently cached first. A lookup finds its
         # candidates by their first PREFIX_HEAD tokens (all of them for shorter prefixes).
         self._prefixes: collections.OrderedDict[tuple[int, ...], list[int]] = collections.OrderedDict()
         self._prefix_heads: dict[tuple[int, ...], set[tuple[int, ...]]] = collections.defaultdict(set)
         self._short_prefix_lengths: collections.Counter[int] = collections.Counter()
-        self._cached_page_count = 0  # pages the prefix cache holds (evictable)
         self.prompt_tokens = 0  # context tokens of first admissions, and those the cache supplied
         self.cached_tokens = 0
         self._key = jax.random.key(seed)
@@ -350,7 +392,7 @@ class JaxEngine:
     async def capacity(self) -> Capacity:
         with self._lock:
             running = sum(r is not None for r in self._active)
-            used = (self.num_pages - len(self._free_pages) - self._cached_page_count) * self.page_size
+            used = (self.num_pages - len(self._free_pages) - self._evictable_pages) * self.page_size
             queued = len(self._waiting) + len(self._retracted) + self._incoming.qsize()
             retracted = len(self._retracted)
         return Capacity(total_tokens=self.max_total_tokens, used_tokens=used, running_requests=running,
@@ -469,12 +511,11 @@ class JaxEngine:
         pages = self._slot_pages[slot]
         written = int(self._positions[slot])  # KV holds positions [0, written): the last token was not fed
         if keep_prefix and self.prefix_cache and written > 0:
-            kept = self._pages_for(written)
-            self._cache_prefix(tuple((request.prompt + request.tokens)[:written]), pages[:kept])
-            pages = pages[kept:]
+            self._cache_prefix(tuple(self._context(request)[:written]), pages[:self._pages_for(written)])
         self._active[slot] = None
         self._positions[slot] = 0
-        self._free_pages.extend(reversed(pages))
+        self._prefilling[slot] = False
+        self._ref(pages, slot=-1)
         self._slot_pages[slot] = []
         self._page_table[slot] = self.num_pages
         return request
@@ -482,15 +523,80 @@ class JaxEngine:
     def _finish(self, slot: int, reason: str) -> None:
         self._resolve(self._free_slot(slot, keep_prefix=not self._stopped), reason)
 
-    # -- prefix cache ---------------------------------------------------------------------------
+    @staticmethod
+    def _context(request: _Request) -> list[int]:
+        return request.prompt + request.tokens if request.tokens else request.prompt
+
+    # -- page references, the page index and the prefix cache ----------------------------------
+    def _ref(self, pages: list[int], slot: int = 0, cache: int = 0) -> None:
+        """Adds `slot` running-request and `cache` cached-prefix references to each page; a page left
+        with none goes back to the free stack (and out of the page index)."""
+        freed = []
+        for page in pages:
+            was = self._slot_refs[page] == 0 and self._cache_refs[page] > 0
+            self._slot_refs[page] += slot
+            self._cache_refs[page] += cache
+            held, cached = self._slot_refs[page], self._cache_refs[page]
+            self._evictable_pages += (held == 0 and cached > 0) - was
+            if held == 0 and cached == 0:
+                freed.append(page)
+                key = self._page_keys.pop(page, None)
+                if key is not None:
+                    del self._page_index[key]
+        self._free_pages.extend(reversed(freed))
+
+    def _evictable(self, page: int) -> bool:
+        return self._slot_refs[page] == 0 and self._cache_refs[page] > 0
+
+    def _register(self, pages: list[int], context: Sequence[int], start: int, end: int) -> None:
+        """Indexes the full pages among those holding context[start:end] (just written), so later
+        requests can share them. Stops where the chain leaves the index: another page already holds
+        that prefix, and pages after it could never be reached."""
+        size = self.page_size
+        for j in range(start // size, end // size):
+            page = pages[j]
+            if page in self._page_keys:
+                continue
+            parent = pages[j - 1] if j else -1
+            if j and parent not in self._page_keys:
+                return
+            key = (parent, tuple(context[j * size:(j + 1) * size]))
+            if self._page_index.setdefault(key, page) != page:
+                return
+            self._page_keys[page] = key
+
+    def _shared_prefix(self, context: list[int]) -> list[int]:
+        """The indexed pages holding the longest page-aligned prefix of `context` that leaves at
+        least one token to prefill (its logits give the first sample)."""
+        size, pages, parent = self.page_size, [], -1
+        for j in range((len(context) - 1) // size):
+            page = self._page_index.get((parent, tuple(context[j * size:(j + 1) * size])))
+            if page is None:
+                break
+            pages.append(page)
+            parent = page
+        return pages
+
+    def _plan(self, context: list[int]) -> tuple[list[int], tuple[int, ...] | None, int]:
+        """How a request starts: (pages it takes, the cached prefix it takes over or None, tokens
+        those pages hold). A cached prefix (with its partial last page) is taken over when it holds
+        more than the shareable full pages; otherwise those are shared and the prefix stays cached."""
+        shared = self._shared_prefix(context) if self.prefix_sharing and self._page_index else []
+        hit = self._lookup_prefix(context) if self._prefixes else None
+        if hit is not None and len(hit) > len(shared) * self.page_size:
+            return list(self._prefixes[hit]), hit, len(hit)
+        return shared, None, len(shared) * self.page_size
+
     def _cache_prefix(self, tokens: tuple[int, ...], pages: list[int]) -> None:
         if tokens in self._prefixes:  # the same prefix again (a repeated request): keep the newer pages
-            self._free_pages.extend(reversed(self._take_prefix(tokens)))
+            self._ref(self._take_prefix(tokens), cache=-1)
+        self._ref(pages, cache=1)
         self._prefixes[tokens] = pages
-        self._cached_page_count += len(pages)
         self._prefix_heads[tokens[:PREFIX_HEAD]].add(tokens)
         if len(tokens) < PREFIX_HEAD:
             self._short_prefix_lengths[len(tokens)] += 1
+        if self.prefix_sharing:  # pages filled by decoding become shareable too
+            self._register(pages, tokens, 0, len(tokens))
 
     def _lookup_prefix(self, context: list[int]) -> tuple[int, ...] | None:
         """The longest cached prefix of `context` that leaves at least one token to prefill."""
@@ -504,29 +610,32 @@ class JaxEngine:
         return best
 
     def _take_prefix(self, key: tuple[int, ...]) -> list[int]:
+        """Removes a cached prefix; its pages keep their references (the caller moves or drops them)."""
         head = key[:PREFIX_HEAD]
         self._prefix_heads[head].discard(key)
         if not self._prefix_heads[head]:
             del self._prefix_heads[head]
         if len(key) < PREFIX_HEAD:
             self._short_prefix_lengths[len(key)] -= 1
-        pages = self._prefixes.pop(key)
-        self._cached_page_count -= len(pages)
-        return pages
+        return self._prefixes.pop(key)
 
-    def _reclaim(self, pages: int, keep: tuple[int, ...] | None = None) -> None:
-        """Evicts cached prefixes, least recently cached first (never `keep`), until `pages` are free."""
+    def _reclaim(self, pages: int) -> None:
+        """Evicts cached prefixes, least recently cached first, until `pages` are free (or none is
+        left). Pages a running request also holds stay with it."""
         if len(self._free_pages) >= pages:  # the common case, every decode step: nothing to evict
             return
         for key in list(self._prefixes):
             if len(self._free_pages) >= pages:
                 return
-            if key != keep:
-                self._free_pages.extend(reversed(self._take_prefix(key)))
+            self._ref(self._take_prefix(key), cache=-1)
 
     def _drop_prefixes(self) -> None:
         for key in list(self._prefixes):
-            self._free_pages.extend(reversed(self._take_prefix(key)))
+            self._ref(self._take_prefix(key), cache=-1)
+        # Pages running requests still hold (frozen in place across a weight update) keep old-weight
+        # KV: no new request may share them.
+        self._page_index.clear()
+        self._page_keys.clear()
 
     def _retract(self, slot: int) -> None:
         """Frees the slot's pages and puts its request at the front of the queue, tokens kept."""
@@ -600,16 +709,49 @@ class JaxEngine:
         that holds `pages`, so attention costs about what the live sequences hold, at four shapes."""
         return next(b for b in self._span_buckets if b >= pages)
 
+    def _chunk_end(self, start: int, length: int, budget: int | None) -> int:
+        """Where this step's prefill of context[start:length] stops within `budget` tokens: the end,
+        else a page boundary (unaligned only when less than a page fits in a whole chunk)."""
+        if budget is None or length - start <= budget:
+            return length
+        end = (start + budget) // self.page_size * self.page_size
+        if end <= start and budget == self.chunked_prefill_size:
+            end = start + budget
+        return max(end, start)
+
+    def _pending_writes(self, context: list[int], start: int, group) -> bool:
+        """Whether a request of `group` (admitted, not prefilled yet) is about to write the page after
+        the `start` tokens `context` can take now, with the same tokens: then prefilling it first
+        lets `context` share that page instead of computing it again."""
+        upto = (start // self.page_size + 1) * self.page_size
+        if upto > len(context) - 1:
+            return False
+        head = context[:upto]
+        return any(s < upto <= e and self._context(r)[:upto] == head for _, r, s, e in group)
+
     def _admit(self) -> None:
-        """Fills free slots, retracted requests first, while SGLang's estimate of the pool fits them."""
-        if self._pause_mode is not None or all(r is not None for r in self._active):
+        """This step's prefill: the chunked request's next chunk, then waiting requests in free slots
+        (retracted ones first) while SGLang's estimate of the pool fits them, within
+        `chunked_prefill_size` tokens when set."""
+        if self._pause_mode is not None:
             return
-        if not self._retracted and (not self._waiting or self._admission_blocks):
+        budget = self.chunked_prefill_size
+        group: list[tuple[int, _Request, int, int]] = []  # (slot, request, first position to write, end)
+        for slot in np.flatnonzero(self._prefilling).tolist():  # a chunked prefill goes first
+            request = self._active[slot]
+            start = int(self._positions[slot])
+            end = self._chunk_end(start, request.context_length, budget)
+            if end > start:
+                group.append((slot, request, start, end))
+                budget = None if budget is None else budget - (end - start)
+        if (all(r is not None for r in self._active) or budget == 0
+                or (not self._retracted and (not self._waiting or self._admission_blocks))):
+            if group:
+                self._prefill_group(group)
             return
         running = [r for r in self._active if r is not None]
         ratio = self._new_token_ratio
         reserved = ratio * sum(self._remaining_budget(r) for r in running)
-        group: list[tuple[int, _Request, int]] = []  # (slot, request, tokens already in its pages)
         for slot in range(self.slots):
             if self._active[slot] is not None:
                 continue
@@ -620,32 +762,50 @@ class JaxEngine:
             else:
                 break
             request = source[0]
-            context = request.prompt + request.tokens
-            hit = self._lookup_prefix(context) if self._prefixes else None
-            reused = len(self._prefixes[hit]) if hit else 0
+            context = self._context(request)
+            held, hit, start = self._plan(context)
+            if group and self.prefix_sharing and self._pending_writes(context, start, group):
+                self._prefill_group(group)  # the leader first: this request then shares its pages
+                group = []
+                held, hit, start = self._plan(context)
             pages = self._pages_for(len(context))
-            # Cached pages are evictable; the hit's own pages count as the request's, not as room.
-            available = len(self._free_pages) + self._cached_page_count - reused
+            private = pages - len(held)
+            # Evictable pages the request takes stop being room; shared pages are counted once.
+            available = len(self._free_pages) + self._evictable_pages - sum(map(self._evictable, held))
             estimate = ratio * self._remaining_budget(request)
-            if running and (pages - reused > available or pages * self.page_size + estimate
-                            > (available + reused) * self.page_size - reserved):
+            if running and (private > available or private * self.page_size + estimate
+                            > available * self.page_size - reserved):
                 break  # first come, first served: nothing overtakes the head of the queue
+            end = self._chunk_end(start, len(context), budget)
+            if end <= start:
+                break  # no prefill budget left this step
             source.popleft()
-            self._reclaim(pages - reused, keep=hit)
-            own = self._take_prefix(hit) if hit else []
-            self._slot_pages[slot] = own + [self._free_pages.pop() for _ in range(pages - reused)]
+            if hit is not None:
+                self._take_prefix(hit)
+                self._ref(held, slot=1, cache=-1)  # the cached prefix's references become the request's
+            else:
+                self._ref(held, slot=1)
+                self.shared_pages += len(held)
+                self.shared_tokens += start
+            self._reclaim(private)
+            new = [self._free_pages.pop() for _ in range(private)]
+            self._ref(new, slot=1)
+            self._slot_pages[slot] = held + new
             self._page_table[slot, :pages] = self._slot_pages[slot]
-            start = len(hit) if hit else 0
-            if not request.tokens:  # a first admission (a retracted request has tokens)
+            if not request.tokens and not request.retractions:  # a first admission
                 request.cached_tokens = start
                 self.prompt_tokens += len(context)
                 self.cached_tokens += start
-            group.append((slot, request, start))
+            group.append((slot, request, start, end))
             running.append(request)
             reserved += estimate
             if len(group) == self.prefill_batch:
                 self._prefill_group(group)
                 group = []
+            if budget is not None:
+                budget -= end - start
+                if end < len(context) or budget <= 0:
+                    break  # one chunked request at a time; the budget is spent
         if group:
             self._prefill_group(group)
 
@@ -660,33 +820,41 @@ class JaxEngine:
             seeds[row], temperature[row], top_p[row], top_k[row] = _row_seed(s), s.temperature, s.top_p, s.top_k
         return seeds, temperature, top_p, top_k
 
-    def _prefill_group(self, group: list[tuple[int, _Request, int]]) -> None:
-        """Prefills each request's prompt + output so far (recomputing a retracted one) into its
-        pages, from the first token its pages do not hold yet, in one call, and samples one token per
-        request. Unused rows write nothing."""
+    def _prefill_group(self, group: list[tuple[int, _Request, int, int]]) -> None:
+        """Prefills context[start:end] of each request's prompt + output so far (recomputing a
+        retracted one) into its pages, in one call, and samples one token per request whose context
+        is then complete (a chunk's sample is discarded). Unused rows write nothing."""
         rows = 1 if len(group) == 1 else self.prefill_batch
-        longest = max(r.context_length - start for _, r, start in group)
+        longest = max(end - start for _, _, start, end in group)
         bucket = next(b for b in self.buckets if b >= longest)
-        span = self._span_pages(max(len(self._slot_pages[slot]) for slot, _, _ in group))
+        span = self._span_pages(max(self._pages_for(end) for _, _, _, end in group))
         ids = np.zeros((rows, bucket), np.int32)
         tables = np.full((rows, span), self.num_pages, np.int32)
         starts = np.zeros(rows, np.int32)
         lengths = np.ones(rows, np.int32)
-        for row, (slot, request, start) in enumerate(group):
-            context = request.prompt + request.tokens
-            ids[row, :len(context) - start] = context[start:]
+        contexts = []
+        for row, (slot, request, start, end) in enumerate(group):
+            context = self._context(request)
+            contexts.append(context)
+            ids[row, :end - start] = context[start:end]
             tables[row] = self._page_table[slot, :span]
-            starts[row], lengths[row] = start, len(context)
-        seeds, temperature, top_p, top_k = self._sampling_arrays(rows, {row: r for row, (_, r, _) in enumerate(group)})
+            starts[row], lengths[row] = start, end
+        requests = {row: request for row, (_, request, _, _) in enumerate(group)}
+        seeds, temperature, top_p, top_k = self._sampling_arrays(rows, requests)
         self._cache, tokens, logprobs = self._prefill(
             self._state, self._cache, jnp.asarray(tables), jnp.asarray(ids), jnp.asarray(starts), jnp.asarray(lengths),
             self._next_key(),
             jnp.asarray(seeds), jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k))
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         now = time.perf_counter()
-        for row, (slot, request, _) in enumerate(group):
+        for row, (slot, request, start, end) in enumerate(group):
             self._active[slot] = request
-            self._positions[slot] = lengths[row]
+            self._positions[slot] = end
+            if self.prefix_sharing:
+                self._register(self._slot_pages[slot], contexts[row], start, end)
+            self._prefilling[slot] = end < len(contexts[row])
+            if self._prefilling[slot]:
+                continue  # a chunk: the rest follows in the next steps
             if not request.tokens and self.on_first_token is not None:
                 self.on_first_token(now - request.submitted)
             self._append(request, int(tokens[row]), float(logprobs[row]))
@@ -704,10 +872,13 @@ class JaxEngine:
         if request.on_token(token, logprob) and not request.ended:
             self._end(request)
 
+    def _decoding(self) -> list[int]:
+        """Slots that decode this step: running and done prefilling."""
+        return [i for i, r in enumerate(self._active) if r is not None and not self._prefilling[i]]
+
     def _grow_pages(self) -> None:
-        """Gives every running request the page its next position needs, retracting when the pool is out."""
-        needy = [i for i, r in enumerate(self._active)
-                 if r is not None and self._positions[i] // self.page_size >= len(self._slot_pages[i])]
+        """Gives every decoding request the page its next position needs, retracting when the pool is out."""
+        needy = [i for i in self._decoding() if self._positions[i] // self.page_size >= len(self._slot_pages[i])]
         self._reclaim(len(needy))  # cached prefixes go before any running request
         if len(needy) > len(self._free_pages):
             while len(needy) > len(self._free_pages):
@@ -716,6 +887,7 @@ class JaxEngine:
                 self._retract(victim)
                 if victim in needy:
                     needy.remove(victim)
+                self._reclaim(len(needy))  # pages the victim shared with cached prefixes only
             remaining = [r for r in self._active if r is not None]
             if remaining:  # SGLang's post-retraction estimate of the share of the budget still to come
                 decoded = sum(len(r.tokens) for r in remaining) + RETRACT_DECODE_STEPS * len(remaining)
@@ -723,16 +895,19 @@ class JaxEngine:
                 self._new_token_ratio = min(1.0, decoded / max(budget, 1))
             else:
                 self._new_token_ratio = INIT_NEW_TOKEN_RATIO
-        for i in needy:
-            page = self._free_pages.pop()
+        new = [self._free_pages.pop() for _ in needy]
+        self._ref(new, slot=1)
+        for i, page in zip(needy, new):
             self._page_table[i, len(self._slot_pages[i])] = page
             self._slot_pages[i].append(page)
 
     def _decode_step(self) -> None:
-        if self._pause_mode is not None or all(r is None for r in self._active):
+        if self._pause_mode is not None or not any(r is not None for r in self._active):
             return
         self._grow_pages()
-        active = [i for i, r in enumerate(self._active) if r is not None]
+        active = self._decoding()
+        if not active:  # only a chunked prefill is running (or decoding requests were retracted)
+            return
         seeds, temperature, top_p, top_k = self._sampling_arrays(self.slots, {i: self._active[i] for i in active})
         positions = np.full(self.slots, self._span, np.int32)  # idle slots: writes are dropped
         positions[active] = self._positions[active]

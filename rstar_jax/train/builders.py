@@ -54,6 +54,7 @@ from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler
 from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.rollout.sglang import SGLangGenerator
 from rstar_jax.train.checkpoint import Checkpointer, CheckpointError, PolicySource, stored_config
+from rstar_jax.train.kv_pool import CONFIG_NAMES, kv_pool_tokens
 from rstar_jax.train.metrics import MetricsWriter
 from rstar_jax.train.rl_batch import row_length_for
 from rstar_jax.train.sft import SftBatches, SftSkips, sft_sequences
@@ -174,13 +175,15 @@ def serving_policy(model: str, *, tp_size: int = 1, seed: int = 0):
 
 
 def engine_for(model: Qwen3, mesh: Mesh | None, *, slots: int, max_length: int, max_total_tokens: int | None = None,
-               page_size: int = 16, seed: int = 0) -> JaxEngine:
-    """The one JaxEngine construction: on the policy's mesh, prefill compiled per prompt bucket."""
+               page_size: int = 16, seed: int = 0, chunked_prefill_size: int | None = None) -> JaxEngine:
+    """The one JaxEngine construction: on the policy's mesh, prefill compiled per prompt bucket.
+    chunked_prefill_size: None, 0 or -1 (SGLang's "off") for no chunking."""
     if max_total_tokens is not None:
         max_total_tokens = max(max_total_tokens, max_length)  # one request always fits
     buckets = tuple(b for b in PREFILL_BUCKETS if b < max_length)
     return JaxEngine(model, slots=slots, max_length=max_length, max_total_tokens=max_total_tokens,
-                     page_size=page_size, prefill_buckets=buckets, seed=seed, mesh=mesh)
+                     page_size=page_size, prefill_buckets=buckets, seed=seed, mesh=mesh,
+                     chunked_prefill_size=max(chunked_prefill_size or 0, 0) or None)
 
 
 def engine_policy(config, model: Qwen3, mesh: Mesh) -> tuple[Qwen3, Mesh]:
@@ -196,12 +199,20 @@ def engine_policy(config, model: Qwen3, mesh: Mesh) -> tuple[Qwen3, Mesh]:
 
 
 def make_engine(config, model: Qwen3, mesh: Mesh | None, *, max_length: int | None = None) -> JaxEngine:
-    """`config.rollout.engine`'s engine (context `max_length` when given, e.g. an evaluation's budget)."""
+    """`config.rollout.engine`'s engine (context `max_length` when given, e.g. an evaluation's budget).
+    Its KV pool: `max_total_tokens`, else `mem_fraction_static` of device memory (SGLang's sizing,
+    beside what is in use now: the weights and, in RL, the optimizer state), else slots x max_length."""
     e = config.rollout.engine
     if mesh is not None:
         model, mesh = engine_policy(config, model, mesh)
-    return engine_for(model, mesh, slots=e.slots, max_length=max_length or e.max_length,
-                      max_total_tokens=e.max_total_tokens or None, page_size=e.page_size, seed=config.seed)
+    max_length = max_length or e.max_length
+    pool = e.max_total_tokens or None
+    if pool is None and e.mem_fraction_static > 0:
+        pool = kv_pool_tokens(model, mesh, mem_fraction=e.mem_fraction_static, context_length=max_length,
+                              fallback=e.slots * max_length, names=CONFIG_NAMES,
+                              report=lambda line: print(f"[engine] {line}", flush=True))
+    return engine_for(model, mesh, slots=e.slots, max_length=max_length, max_total_tokens=pool,
+                      page_size=e.page_size, seed=config.seed, chunked_prefill_size=e.chunked_prefill_size)
 
 
 # -- protocol and data -----------------------------------------------------------------------------
@@ -392,10 +403,16 @@ def local_servers(config, model: Qwen3) -> Iterator[list[str]]:
     w = config.weight_sync
     initial = save_pretrained(model, weight_sync_directory(config), dtype=w.dtype or None,
                               max_shard_bytes=w.max_shard_bytes, writer_threads=w.writer_threads)  # as DiskSync
+    extra = []  # rollout.engine's settings that have an SGLang flag, where they differ from its default
+    if r.engine.chunked_prefill_size > 0:
+        extra += ["--chunked-prefill-size", str(r.engine.chunked_prefill_size)]
+    if r.engine.mem_fraction_static > 0:
+        extra += ["--mem-fraction-static", str(r.engine.mem_fraction_static)]
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(LocalServer(
             str(initial), slots=r.engine.slots, max_length=r.engine.max_length,
-            max_total_tokens=r.engine.max_total_tokens or None, page_size=r.engine.page_size, seed=config.seed)).url
+            max_total_tokens=r.engine.max_total_tokens or None, page_size=r.engine.page_size, seed=config.seed,
+            extra_args=tuple(extra))).url
             for _ in range(r.local_servers)]
 
 

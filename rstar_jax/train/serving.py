@@ -11,10 +11,7 @@ import argparse
 import asyncio
 import importlib.util
 import logging
-import os
 import pathlib
-
-import jax.numpy as jnp
 
 from rstar_jax.agent.tokenizer import HFTokenizer
 from rstar_jax.errors import UserError
@@ -22,52 +19,11 @@ from rstar_jax.model.hf import hf_tensor, update_from_hf_tensors
 from rstar_jax.rollout.server import serve
 from rstar_jax.rollout.textgen import JinjaChatTemplate
 from rstar_jax.train.builders import engine_for, serving_policy
+from rstar_jax.train.kv_pool import kv_pool_tokens
 
 log = logging.getLogger("rstar_jax.serve")
 
 DEFAULT_MEM_FRACTION_STATIC = 0.85
-
-
-def kv_pool_tokens(model, mesh, *, mem_fraction: float, context_length: int, fallback: int) -> int:
-    """SGLang's KV pool sizing: `mem_fraction` of each device's memory limit holds the weights and
-    the pool, so the pool gets that fraction less what is in use after loading (the tightest device
-    decides). `fallback` where a device reports no memory statistics (CPU); refused when it would not
-    fit `mem_fraction` of the host's memory, where that is known."""
-    c = model.config
-    tensor = mesh.shape.get("tensor", 1)
-    shards = tensor if c.num_kv_heads % tensor == 0 else 1  # the pool's KV heads are split as `pool_sharding`
-    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * jnp.dtype(c.dtype).itemsize / shards
-    gib = 2 ** 30
-    devices = list(mesh.devices.flat)
-    stats = [d.memory_stats() for d in devices]
-    if any(not s or "bytes_limit" not in s for s in stats):
-        pool = fallback * per_token * len(devices)
-        host = _host_memory_bytes()
-        if host is not None and pool > mem_fraction * host:
-            raise UserError(f"a KV pool of max-running-requests x context-length = {fallback} tokens needs "
-                            f"{pool / gib:.1f} GiB, more than --mem-fraction-static {mem_fraction} of this host's "
-                            f"{host / gib:.1f} GiB; pass --max-total-tokens, or lower --context-length")
-        log.info("%s reports no memory statistics: KV pool of max-running-requests x context-length = %d tokens "
-                 "(%.2f GiB; pass --max-total-tokens to choose)", devices[0].platform, fallback, pool / gib)
-        return fallback
-    free = min(mem_fraction * s["bytes_limit"] - s["bytes_in_use"] for s in stats)
-    tokens = int(free // per_token)
-    if tokens < context_length:
-        limit, used = stats[0]["bytes_limit"] / gib, stats[0]["bytes_in_use"] / gib
-        raise UserError(f"--mem-fraction-static {mem_fraction}: {mem_fraction} x {limit:.1f} GiB leaves room for "
-                        f"{max(tokens, 0)} KV tokens beside {used:.1f} GiB in use, below one request's context "
-                        f"({context_length}); raise it, or lower --context-length")
-    log.info("KV pool of %d tokens (%.2f GiB per device): --mem-fraction-static %s of %.1f GiB, less %.1f GiB in use",
-             tokens, tokens * per_token / gib, mem_fraction, stats[0]["bytes_limit"] / gib,
-             stats[0]["bytes_in_use"] / gib)
-    return tokens
-
-
-def _host_memory_bytes() -> int | None:
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):  # not a POSIX host
-        return None
 
 
 def load_text(args) -> tuple[HFTokenizer | None, str | None, JinjaChatTemplate | None]:
@@ -107,9 +63,10 @@ async def run(args) -> None:
     context_length = args.context_length or model.config.max_position_embeddings
     max_total_tokens = args.max_total_tokens or kv_pool_tokens(
         model, mesh, mem_fraction=args.mem_fraction_static, context_length=context_length,
-        fallback=args.max_running_requests * context_length)
+        fallback=args.max_running_requests * context_length, report=log.info)
     engine = engine_for(model, mesh, slots=args.max_running_requests, max_length=context_length,
-                        max_total_tokens=max_total_tokens, page_size=args.page_size, seed=args.random_seed)
+                        max_total_tokens=max_total_tokens, page_size=args.page_size, seed=args.random_seed,
+                        chunked_prefill_size=args.chunked_prefill_size)
     try:
         await serve(engine, host=args.host, port=args.port, model_path=args.model_path, eos_token_ids=eos,
                     load_weights=load_weights, tp_size=args.tp_size, port_file=args.port_file,
@@ -125,7 +82,8 @@ def server_args(args, context_length: int) -> dict:
     """What /get_server_info reports of the command line, under SGLang's ServerArgs names."""
     return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path, "host": args.host,
             "port": args.port, "context_length": context_length, "max_running_requests": args.max_running_requests,
-            "mem_fraction_static": args.mem_fraction_static, "page_size": args.page_size, "tp_size": args.tp_size,
+            "mem_fraction_static": args.mem_fraction_static, "page_size": args.page_size,
+            "chunked_prefill_size": args.chunked_prefill_size, "tp_size": args.tp_size,
             "dp_size": args.dp_size, "random_seed": args.random_seed, "skip_tokenizer_init": args.skip_tokenizer_init,
             "enable_deterministic_inference": args.enable_deterministic_inference,
             "enable_metrics": args.enable_metrics, "served_model_name": args.served_model_name or args.model_path,
@@ -156,6 +114,9 @@ def parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--mem-fraction-static", type=float, default=DEFAULT_MEM_FRACTION_STATIC,
                    help="fraction of device memory for weights and KV pool (default %(default)s)")
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="prefill tokens per engine step: longer contexts are prefilled in chunks while others "
+                        "decode (-1 or 0: off, the default)")
     p.add_argument("--tp-size", "--tp", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
                    help="devices one model is split over (tensor parallel)")
     p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1,
@@ -187,6 +148,8 @@ def check(args) -> list[str]:
                              ("--max-total-tokens", args.max_total_tokens, 1)):
         if value is not None and value < low:
             problems.append(f"{flag} must be >= {low}, got {value}")
+    if args.chunked_prefill_size is not None and args.chunked_prefill_size < -1:
+        problems.append(f"--chunked-prefill-size must be -1 or 0 (off) or >= 1, got {args.chunked_prefill_size}")
     if args.sampling_defaults != "openai":
         problems.append(f"--sampling-defaults {args.sampling_defaults}: only 'openai' is supported (a request's "
                         f"omitted settings get neutral defaults; generation_config.json's are not read)")
