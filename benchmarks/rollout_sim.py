@@ -1251,7 +1251,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     parser.add_argument("--reservation", choices=RESERVATIONS, default="expected",
                         help="what a turn reserves under the dynamic policy: its context plus the expected "
                              "output, or plus its whole max_new_tokens")
-    parser.add_argument("--reconcile-interval", type=float, default=0.0,
+    parser.add_argument("--reconcile-interval", type=float, default=10.0,
                         help="simulated seconds between KvScheduler.reconcile() calls (0: never after the first)")
     parser.add_argument("--pool", help="KV pool tokens per engine, comma-separated (one value: every engine; "
                                        "small scale: 0 means slots x context)")

@@ -16,10 +16,10 @@ it starts as soon as room frees up.
   plus its expected next turn. `reservation="worst-case"` reserves the whole remaining budget
   instead (the paper's rule, kept as a baseline).
 - A started trajectory never waits: its next turn goes to the generator holding its prefix, unless
-  that generator is overloaded (turns outgrew their estimates, or other clients use its KV) and
-  another has room for the whole turn; then it moves there (rebalancing: its context is prefilled
-  again). Otherwise a turn runs at home even past the budget: the engine's own admission and
-  retraction absorb the excess.
+  that generator reports more KV in use than its budget (turns outgrew their estimates, or other
+  clients use it) and another has room for the whole turn; then it moves there (rebalancing: its
+  context is prefilled again). Otherwise a turn runs at home even past the budget: the engine's own
+  admission and retraction absorb the excess.
 - A new trajectory starts where its group's previous one started when it fits there, up to
   `group_block` in a row (the group's rollouts share their prompt's KV pages there; blocks, because
   the rollouts of one prompt tend to be long or short together, and one server holding a whole long
@@ -63,6 +63,9 @@ INITIAL_NEW_TOKEN_RATIO = 0.7
 NEW_TOKEN_RATIO = 0.65
 GROUP_MEMORY = 4096  # groups whose placement is remembered
 GROUP_BLOCK = 8
+# Generators whose free shares of budget differ by less than this are equally loaded as far as the
+# ledger can tell (it holds estimates); the one with fewer trajectories in progress is chosen.
+BALANCE_TOLERANCE = 0.05
 
 
 class _Rotation:
@@ -116,6 +119,7 @@ class GeneratorLedger:
     parked: int = 0  # the part of `reserved` that trajectories between turns hold (prefix + next turn)
     reported_used: int = 0  # what the generator last reported in use (reconcile)
     running: int = 0  # turns running here now
+    active: int = 0  # trajectories started here and not finished (or moved away)
     peak_reserved: int = 0
     peak_running: int = 0
     admitted: int = 0  # trajectories whose first turn ran here
@@ -146,6 +150,7 @@ class _Trajectory:
     stats: _TurnStats = dataclasses.field(default_factory=_TurnStats)
     turn: "_Turn | None" = None  # the turn in flight (placed or waiting)
     placed: bool = False  # some turn of it was placed
+    owner: int | None = None  # the generator whose `active` count it is in
 
 
 @dataclasses.dataclass
@@ -329,6 +334,8 @@ class KvScheduler(_Rotation):
             del self._trajectories[trajectory_id]
             if trajectory.home is not None and self._ledgers is not None:
                 self._unpark(trajectory)
+            if trajectory.owner is not None:
+                self.ledgers[trajectory.owner].active -= 1
             self._dispatch()
 
     async def _acquire(self, trajectory: _Trajectory, context: int, max_new: int) -> _Turn:
@@ -406,18 +413,26 @@ class KvScheduler(_Rotation):
 
     def _freest(self, exclude: int | None = None) -> int | None:
         """The least loaded generator: the largest share of its budget free, so that load follows
-        each generator's size (a larger pool also brings more compute: more GPUs, or larger ones)."""
+        each generator's size (a larger pool also brings more compute: more GPUs, or larger ones).
+        Among those within BALANCE_TOLERANCE of it, the one with the fewest trajectories in progress
+        per token of budget: the ledger's estimates cannot tell such generators apart, their counts can."""
         live = [i for i in self._live_indices() if i != exclude]
-        return max(live, key=lambda i: (self.free(i) / max(1, self.budget(i)), -i)) if live else None
+        if not live:
+            return None
+        share = {i: self.free(i) / max(1, self.budget(i)) for i in live}
+        best = max(share.values())
+        return min((i for i in live if share[i] >= best - BALANCE_TOLERANCE),
+                   key=lambda i: (self.ledgers[i].active / max(1, self.budget(i)), i))
 
     def _continue_on(self, turn: _Turn) -> int:
-        """Where a started trajectory's turn runs: its home, whose ledger already holds its prefix and
-        expected turn, unless the home is overloaded (turns outgrew their estimates, or others use its
-        KV) and another generator has room for the whole turn: then it moves there (rebalancing; its
-        context is prefilled again). An overloaded home with nowhere to move to runs it anyway: the
-        engine's own admission and retraction handle the excess."""
+        """Where a started trajectory's turn runs: its home, which holds its prefix, unless the home
+        reports more KV in use than its budget (turns outgrew their estimates, or other clients use
+        it) and another generator has room for the whole turn: then it moves there (rebalancing; its
+        context is prefilled again there). The ledger alone does not move a turn: it counts expected
+        use, and a move costs a whole prefill. An overloaded home with nowhere to move to runs the
+        turn anyway: the engine's own admission and retraction handle the excess."""
         home = turn.trajectory.home
-        if self.free(home) >= 0:
+        if self.ledgers[home].reported_used <= self.budget(home):
             return home
         target = self._freest(exclude=home)
         return target if target is not None and self._fits(target, self._footprint(turn)) else home
@@ -433,6 +448,11 @@ class KvScheduler(_Rotation):
             trajectory.home = None
         else:
             self._waiting -= 1  # it waited in the queue
+        if trajectory.owner != index:
+            if trajectory.owner is not None:
+                self.ledgers[trajectory.owner].active -= 1
+            trajectory.owner = index
+            ledger.active += 1
         if not trajectory.placed:
             trajectory.placed = True
             self.admitted += 1
