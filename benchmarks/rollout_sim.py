@@ -1121,25 +1121,15 @@ def calibrate(*, slots: int = 16, pool: int = 16384, max_length: int = 1024, ser
 
 
 # -- command line ----------------------------------------------------------------------------------
-# Real-engine makespans of rollout_balance.py (2 servers, 96 trajectories unless noted), keyed by
-# (slots, pools, trajectories, turn median):
-# - "2ea2cb7": benchmarks/RESULTS.md, "Generation: JaxEngine decode throughput and rollout balance",
-#   the table "At 2ea2cb7 (with the engine's prefix cache)", median of 3 rounds;
-# - "2026-11-24": benchmarks/RESULTS.md, "Rollout simulator", the re-run with fc30ac3's engine and
-#   server and a persistent compilation cache, median of 5 rounds (the earlier table's timed rounds
-#   still compiled prefill shapes).
+# Real-engine makespans of rollout_balance.py (2 servers), keyed by (slots, pools, trajectories,
+# turn median), with the scheduler and engine at the commit named: benchmarks/RESULTS.md, "KV-aware
+# scheduling turn by turn", workload seed 0 (earlier tables are in RESULTS.md).
 REAL_MAKESPANS = {
-    "2ea2cb7": {
-        ((16, 16), (16384, 16384), 96, 40.0): {"static": 3.17, "static-sync": 6.26, "dynamic": 3.65},
-        ((16, 4), (16384, 4096), 96, 40.0): {"static": 4.42, "static-sync": 5.35, "dynamic": 4.16},
-        ((16, 16), (4096, 4096), 96, 40.0): {"static": 3.66, "static-sync": 7.77, "dynamic": 7.12},
-        ((16, 16), (8192, 8192), 64, 250.0): {"static": 6.19, "static-sync": 9.70, "dynamic": 9.26},
-    },
-    "2026-11-24": {
-        ((16, 16), (16384, 16384), 96, 40.0): {"static": 1.98, "static-sync": 3.88, "dynamic": 2.17},
-        ((16, 4), (16384, 4096), 96, 40.0): {"static": 2.36, "static-sync": 2.80, "dynamic": 2.21},
-        ((16, 16), (4096, 4096), 96, 40.0): {"static": 2.35, "static-sync": 4.73, "dynamic": 4.85},
-        ((16, 16), (8192, 8192), 64, 250.0): {"static": 3.57, "static-sync": 5.54, "dynamic": 4.99},
+    "0560f44": {  # seed 0, median of 3 rounds, 2026-11-24
+        ((16, 16), (4096, 4096), 96, 40.0): {"static": 1.96, "static-sync": 4.18, "dynamic": 2.01},
+        ((16, 16), (16384, 16384), 96, 40.0): {"static": 1.67, "static-sync": 3.09, "dynamic": 1.67},
+        ((16, 4), (16384, 4096), 96, 40.0): {"static": 2.63, "static-sync": 3.16, "dynamic": 2.65},
+        ((16, 16), (8192, 8192), 64, 250.0): {"static": 3.62, "static-sync": 6.00, "dynamic": 4.34},
     },
 }
 
