@@ -149,8 +149,7 @@ class _Trajectory:
     parked: int = 0  # tokens claimed at home between turns: its context and expected next turn
     stats: _TurnStats = dataclasses.field(default_factory=_TurnStats)
     turn: "_Turn | None" = None  # the turn in flight (placed or waiting)
-    placed: bool = False  # some turn of it was placed
-    owner: int | None = None  # the generator whose `active` count it is in
+    owner: int | None = None  # the generator whose `active` count it is in (None: not started)
 
 
 @dataclasses.dataclass
@@ -159,7 +158,6 @@ class _Turn:
     context: int
     max_new: int
     future: asyncio.Future
-    seq: int
     index: int | None = None  # where it runs, once granted
     reserved: int = 0  # what it holds there
     generated: int | None = None  # recorded by the caller
@@ -228,7 +226,6 @@ class KvScheduler(_Rotation):
         self._trajectories: dict[str, _Trajectory] = {}
         self._fresh: collections.deque[_Turn] = collections.deque()  # new trajectories waiting to start
         self._waiting = 0
-        self._seq = itertools.count()
         # group -> [generator its latest members started on, how many started there in a row]
         self._group_home: collections.OrderedDict[Hashable, list[int]] = collections.OrderedDict()
         self._last_reconcile = 0.0
@@ -349,7 +346,7 @@ class KvScheduler(_Rotation):
         if not live:
             raise self._no_generator_left()
         self._check_fits_somewhere(trajectory.tid, context, live)
-        turn = _Turn(trajectory, context, max_new, asyncio.get_running_loop().create_future(), next(self._seq))
+        turn = _Turn(trajectory, context, max_new, asyncio.get_running_loop().create_future())
         trajectory.turn = turn
         if trajectory.home is not None and trajectory.home not in self.down:
             self._grant(turn, self._continue_on(turn))  # a started trajectory never waits
@@ -448,13 +445,7 @@ class KvScheduler(_Rotation):
             trajectory.home = None
         else:
             self._waiting -= 1  # it waited in the queue
-        if trajectory.owner != index:
-            if trajectory.owner is not None:
-                self.ledgers[trajectory.owner].active -= 1
-            trajectory.owner = index
-            ledger.active += 1
-        if not trajectory.placed:
-            trajectory.placed = True
+        if trajectory.owner is None:  # its first turn: the trajectory starts here
             self.admitted += 1
             ledger.admitted += 1
             if trajectory.group is not None:
@@ -465,6 +456,11 @@ class KvScheduler(_Rotation):
                     self._group_home[trajectory.group] = [index, 1]
                     while len(self._group_home) > GROUP_MEMORY:
                         self._group_home.popitem(last=False)
+        if trajectory.owner != index:
+            if trajectory.owner is not None:
+                self.ledgers[trajectory.owner].active -= 1
+            trajectory.owner = index
+            ledger.active += 1
         turn.index, turn.reserved = index, self._footprint(turn)
         ledger.reserved += turn.reserved
         ledger.running += 1
