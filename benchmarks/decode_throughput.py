@@ -10,9 +10,13 @@ Prints:
   steps/s <= bandwidth / (weight bytes + KV bytes) and tokens/s <= batch x that;
 - Hugging Face transformers `generate` (PyTorch, same config, random weights, greedy, same batch,
   prompt and lengths) measured in the same run, unless --no-hf.
+With `--group G` the prompts come in groups of G identical ones (GRPO's 2G rollouts of one prompt),
+and the same run also times an engine without prefix sharing: the prefill each engine computed and
+the speed-up sharing gives.
 
     python benchmarks/decode_throughput.py --preset qwen3-1.7b --batch 64 --dtype bfloat16   # GPU
     python benchmarks/decode_throughput.py --preset tiny --batch 64                          # CPU
+    python benchmarks/decode_throughput.py --preset tiny --batch 64 --group 32 --prompt 1024 --new 16 --no-hf
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ H100_HBM_BYTES_PER_S = 2.95e12  # measured HBM copy bandwidth on one H100
 
 
 def run_engine(engine: JaxEngine, prompts: list[list[int]], new: int) -> float:
+    if not engine.flush_cache():  # each run starts cold: a prefix cached by the last run is not sharing
+        raise RuntimeError("the engine is still busy with the previous run")
     sampling = SamplingParams(max_new_tokens=new, temperature=0.0)
 
     async def go():
@@ -81,19 +87,30 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--bandwidth", type=float, default=H100_HBM_BYTES_PER_S, help="bytes/s for the roofline")
     parser.add_argument("--no-hf", action="store_true")
+    parser.add_argument("--group", type=int, default=1, help="identical prompts per group (GRPO's 2G rollouts); "
+                                                             "> 1 also times an engine without prefix sharing")
     args = parser.parse_args()
+    if args.group < 1 or args.batch % args.group:
+        parser.error(f"--group must be >= 1 and divide --batch ({args.batch}), got {args.group}")
 
     config = Qwen3Config.preset(args.preset, param_dtype=args.dtype, dtype=args.dtype)
     max_length = args.prompt + args.new + 1
-    engine = JaxEngine(Qwen3(config, rngs=nnx.Rngs(0)), slots=args.batch, max_length=max_length,
-                       prefill_buckets=(args.prompt,))
+    model = Qwen3(config, rngs=nnx.Rngs(0))
+    # With groups, a follower prefills only its last partial page: its shape needs a small bucket.
+    buckets = (args.prompt,) if args.group == 1 else tuple(b for b in (16, 64, 256) if b < args.prompt) + (args.prompt,)
     rng = np.random.default_rng(0)
-    prompts = rng.integers(1, config.vocab_size, (args.batch, args.prompt))
-    try:
-        run_engine(engine, prompts.tolist(), args.new)  # compile
-        elapsed = run_engine(engine, prompts.tolist(), args.new)
-    finally:
-        engine.close()
+    prompts = np.repeat(rng.integers(1, config.vocab_size, (args.batch // args.group, args.prompt)), args.group, axis=0)
+
+    def timed(**options) -> tuple[float, JaxEngine]:
+        engine = JaxEngine(model, slots=args.batch, max_length=max_length, prefill_buckets=buckets, **options)
+        try:
+            run_engine(engine, prompts.tolist(), args.new)  # compile
+            engine.prompt_tokens = engine.cached_tokens = engine.shared_tokens = engine.shared_pages = 0
+            return run_engine(engine, prompts.tolist(), args.new), engine
+        finally:
+            engine.close()
+
+    elapsed, engine = timed()
     tokens = args.batch * args.new
     ours = tokens / elapsed
 
@@ -104,6 +121,12 @@ def main() -> None:
     print(f"device: {jax.devices()[0].device_kind}; preset {args.preset} ({config.num_params / 1e6:.1f}M params, "
           f"{args.dtype}); batch {args.batch}, prompt {args.prompt}, new {args.new}")
     print(f"JaxEngine:        {ours:10.0f} tokens/s ({elapsed:.2f} s)")
+    if args.group > 1:
+        unshared_elapsed, unshared = timed(prefix_sharing=False)
+        prefilled = lambda e: e.prompt_tokens - e.cached_tokens  # noqa: E731
+        print(f"prefix sharing:   groups of {args.group} identical prompts: prefilled {prefilled(engine)} prompt tokens "
+              f"({engine.shared_pages} pages shared) against {prefilled(unshared)} without sharing; "
+              f"{unshared_elapsed:.2f} s without -> {unshared_elapsed / elapsed:.2f}x")
     print(f"roofline:         {roofline:10.0f} tokens/s (weights {weight_bytes / 1e9:.3f} GB + KV {kv_bytes / 1e9:.3f} GB "
           f"per step at {args.bandwidth / 1e12:.2f} TB/s) -> {100 * ours / roofline:.1f}% of roofline")
     if not args.no_hf:
