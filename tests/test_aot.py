@@ -9,7 +9,7 @@ import pytest
 from rstar_jax.config import REPO_CONFIGS, load_config_file
 from rstar_jax.model.qwen3 import Qwen3Config
 from rstar_jax.parallel import make_mesh
-from rstar_jax.train.aot import abstract_policy, compile_steps
+from rstar_jax.train.aot import abstract_policy, compile_steps, prefill_length
 from rstar_jax.parallel.memory import memory_plan
 from rstar_jax.train import builders
 
@@ -31,6 +31,17 @@ def test_compiled_update_holds_the_planned_parameters_and_optimizer_state_per_de
     # RoC keeps at most 4 x 16 trajectories of up to 8K + 2K tokens, one 10240-token row each per
     # micro-batch and device: 8 micro-batches x 1 row per device x 8 arrays of 4 bytes.
     assert update.data_bytes == 8 * 1 * 10240 * 8 * 4
+
+
+def test_the_engine_prefill_planned_is_one_chunk_with_chunked_prefill():
+    config = load_config_file(str(REPO_CONFIGS / "stage1.py"))
+    e = config.rollout.engine  # 10240-token contexts
+    e.chunked_prefill_size = 8192
+    assert prefill_length(e) == 8192
+    e.chunked_prefill_size = 3000  # the prompt bucket that holds a chunk
+    assert prefill_length(e) == 4096
+    e.chunked_prefill_size = 0
+    assert prefill_length(e) == e.max_length == 10240
 
 
 @pytest.mark.slow

@@ -157,10 +157,20 @@ def report(config, mesh, steps: list[CompiledStep]) -> str:
     return "\n".join(lines)
 
 
+def prefill_length(engine_config) -> int:
+    """The longest prefill row `rollout.engine` runs: its context, or with chunked prefill (a step
+    prefills at most chunked_prefill_size tokens) the prompt bucket that holds one chunk."""
+    e = engine_config
+    if e.chunked_prefill_size <= 0:
+        return e.max_length
+    return min(e.max_length, next((b for b in builders.PREFILL_BUCKETS if b >= e.chunked_prefill_size), e.max_length))
+
+
 def compile_engine(config, tensor: int) -> list[CompiledStep]:
-    """The in-process engine's prefill (a full prefill batch of the longest bucket) and decode (every
-    slot) at `tensor`-way tensor parallelism over the first `tensor` devices, with
-    `rollout.engine`'s slots and KV page pool: what one generation replica of that size holds."""
+    """The in-process engine's prefill (a full prefill batch of the longest row it runs,
+    `prefill_length`) and decode (every slot) at `tensor`-way tensor parallelism over the first
+    `tensor` devices, with `rollout.engine`'s slots and KV page pool: what one generation replica of
+    that size holds."""
     e = config.rollout.engine
     mesh = make_mesh(data=1, fsdp=1, tensor=tensor, devices=jax.devices()[:tensor])
     (graphdef, state), model = _abstract_model(config, mesh)
@@ -180,7 +190,7 @@ def compile_engine(config, tensor: int) -> list[CompiledStep]:
 
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
     rows = min(8, e.slots)  # JaxEngine's prefill batch
-    prefill_args = [state, cache, *arrays(((rows, span), jnp.int32), ((rows, e.max_length), jnp.int32),
+    prefill_args = [state, cache, *arrays(((rows, span), jnp.int32), ((rows, prefill_length(e)), jnp.int32),
                                           ((rows,), jnp.int32), ((rows,), jnp.int32)), key, *sampling(rows)]
     decode_args = [state, cache, *arrays(((e.slots, span), jnp.int32), ((e.slots,), jnp.int32),
                                          ((e.slots,), jnp.int32)), key, *sampling(e.slots)]
