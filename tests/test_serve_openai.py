@@ -262,14 +262,14 @@ def _loads(server) -> dict:
     return json.loads(_http(server.url + "/v1/loads")[1])["loads"][0]
 
 
-def _until_running(server, n=1, timeout=30.0):
+def _assert_starts_running(server, n=1, timeout=30.0):
     deadline = time.monotonic() + timeout
     while _loads(server)["num_running_reqs"] < n:
         assert time.monotonic() < deadline, "the request never started"
         time.sleep(0.02)
 
 
-def _stops_within_a_second(server) -> None:
+def _assert_stops_within_a_second(server) -> None:
     """Running requests drop to 0 within 1 s, and the used KV stops growing (it is freed)."""
     deadline = time.monotonic() + 1.0
     while (load := _loads(server))["num_running_reqs"]:
@@ -288,17 +288,17 @@ def test_a_disconnected_clients_request_stops(server, client, hf_tok):
     sock = socket.create_connection((host, int(port)))
     sock.sendall(f"POST /generate HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
-    _until_running(server)
+    _assert_starts_running(server)
     sock.close()
-    _stops_within_a_second(server)
+    _assert_stops_within_a_second(server)
 
     # A streaming chat whose reader stops reading and closes the stream.
     stream = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=CONTEXT, stream=True,
                                             extra_body={"ignore_eos": True})
     next(iter(stream))
-    _until_running(server)
+    _assert_starts_running(server)
     stream.close()
-    _stops_within_a_second(server)
+    _assert_stops_within_a_second(server)
 
 
 def test_health_answers_503_until_warm():
