@@ -42,13 +42,13 @@ class CheckingScheduler(KvScheduler):
         super().__init__(*args, **kwargs)
         self.starts = 0
 
-    def _grant(self, turn, index):
+    def _grant(self, turn, index, reserve=None):
         if turn.trajectory.home is None:
             assert min(self._footprint(turn), self.largest_request(index)) <= self.free(index)
             self.starts += 1
         else:
             assert index == turn.trajectory.home or self.free(turn.trajectory.home) < 0
-        super()._grant(turn, index)
+        super()._grant(turn, index, reserve)
 
 
 @settings(max_examples=40, deadline=None)

@@ -121,7 +121,6 @@ class GeneratorLedger:
     running: int = 0  # turns running here now
     active: int = 0  # trajectories started here and not finished (or moved away)
     peak_reserved: int = 0
-    peak_running: int = 0
     admitted: int = 0  # trajectories whose first turn ran here
     moved_in: int = 0  # turns of trajectories whose prefix was on another generator (rebalancing)
 
@@ -268,8 +267,7 @@ class KvScheduler(_Rotation):
 
     def estimate(self, trajectory_id: str, max_new_tokens: int) -> int:
         """The tokens a turn of `trajectory_id` is expected to generate (what it reserves beyond its context)."""
-        trajectory = self._trajectories.get(trajectory_id)
-        return self._estimate(trajectory, max_new_tokens) if trajectory else self._estimate(None, max_new_tokens)
+        return self._estimate(self._trajectories.get(trajectory_id), max_new_tokens)
 
     def _estimate(self, trajectory: _Trajectory | None, max_new: int) -> int:
         if self.reservation == "worst-case":
@@ -434,7 +432,8 @@ class KvScheduler(_Rotation):
         target = self._freest(exclude=home)
         return target if target is not None and self._fits(target, self._footprint(turn)) else home
 
-    def _grant(self, turn: _Turn, index: int) -> None:
+    def _grant(self, turn: _Turn, index: int, reserve: int | None = None) -> None:
+        """Places `turn` on generator `index`, reserving `reserve` tokens (default: its footprint)."""
         trajectory = turn.trajectory
         ledger = self.ledgers[index]
         if trajectory.home is not None:  # its parked claim becomes this turn's reservation, or is given up
@@ -461,11 +460,10 @@ class KvScheduler(_Rotation):
                 self.ledgers[trajectory.owner].active -= 1
             trajectory.owner = index
             ledger.active += 1
-        turn.index, turn.reserved = index, self._footprint(turn)
+        turn.index, turn.reserved = index, self._footprint(turn) if reserve is None else reserve
         ledger.reserved += turn.reserved
         ledger.running += 1
         ledger.peak_reserved = max(ledger.peak_reserved, ledger.reserved)
-        ledger.peak_running = max(ledger.peak_running, ledger.running)
         self.turns += 1
         turn.future.set_result(index)
 
@@ -492,7 +490,7 @@ class KvScheduler(_Rotation):
                 if target is None or not self._fits(target, full):
                     return  # first come, first served: nothing overtakes the head of the queue
             self._fresh.popleft()
-            self._grant(turn, target)
+            self._grant(turn, target, full)
 
     def _after_down(self) -> None:
         """Waiting turns fail when no generator is left, or are placed on those left."""
