@@ -227,35 +227,36 @@ class Zygote:
         self.slot_namespaces = True
 
     def _slot_namespace(self, slot: Slot) -> int:
-        ready_r, ready_w = os.pipe()
-        hold_r, hold_w = os.pipe()
+        # The helper sends its namespace as an fd: after the user namespace, /proc (hidepid=2, owned
+        # by the host's) no longer shows us our children's entries.
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         pid = os.fork()
         if pid == 0:
             code = 0
             try:
-                os.close(ready_r)
-                os.close(hold_w)
+                ours.close()
                 isolation.unshare(isolation.CLONE_NEWNS)
                 isolation.mount(f"{slot.scratch}/tmp", "/tmp", None, isolation.MS_BIND)
                 isolation.mount(f"{slot.scratch}/shm", "/dev/shm", None, isolation.MS_BIND)
                 flags = isolation.MS_NOSUID | isolation.MS_NODEV | isolation.MS_RDONLY
                 isolation.mount("sandbox-hide", "/mnt", "tmpfs", flags, "size=4k,mode=0755")
-                os.write(ready_w, b"k")
-                os.read(hold_r, 1)  # until the zygote holds our namespace
+                fd = os.open("/proc/self/ns/mnt", os.O_RDONLY)
+                socket.send_fds(theirs, [b"k"], [fd])
             except BaseException as e:  # noqa: BLE001 - reported through the exit code
                 os.write(2, f"slot namespace: {e!r}\n".encode())
                 code = 1
             os._exit(code)
-        os.close(ready_w)
-        os.close(hold_r)
+        theirs.close()
         try:
-            if os.read(ready_r, 1) != b"k":
+            _, st = os.waitpid(pid, 0)
+            if os.waitstatus_to_exitcode(st) != 0:
                 raise OSError(f"the helper for slot {slot.index} failed")
-            return os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY)
+            msg, fds, _, _ = socket.recv_fds(ours, 1, 1)
+            if msg != b"k" or len(fds) != 1:
+                raise OSError(f"the helper for slot {slot.index} sent no namespace")
+            return fds[0]
         finally:
-            os.close(ready_r)
-            os.close(hold_w)
-            os.waitpid(pid, 0)
+            ours.close()
 
     def _clean_slot_scratch(self, slot: Slot) -> None:
         """Empties the slot's tmp/ and shm/ (its processes are gone) before the next call."""

@@ -68,6 +68,8 @@ def test_health_and_info(sandbox):
                                             "cgroup_memory", "user_namespace"}
     essential = ("pid_namespace", "net_namespace", "mount_namespace", "readonly_host", "seccomp", "per_slot_uid")
     assert (info.isolation_level != "minimal") == all(info.isolation_features[f] for f in essential)
+    if info.isolation_features["user_namespace"]:  # each slot's mount namespace is made once, not per call
+        assert not [w for w in info.isolation_warnings if "namespace" in w], info.isolation_warnings
     assert (info.workers, info.workers_alive, info.slots_per_worker, info.capacity) == (2, 2, 3, 6)
     assert info.queue_depth == 0 and info.max_queue > 0 and info.default_timeout_s == 5.0
     channel, stub = stub_for(sandbox)
