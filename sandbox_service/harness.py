@@ -81,7 +81,7 @@ def _tag_memory_error(exc: BaseException, meta_fd: int) -> None:
             pass
 
 
-def _run(code: str, meta_fd: int) -> int:
+def _run(code: str, meta_fd: int, *, display: bool = True) -> int:
     linecache.cache[FILENAME] = (len(code), None, code.splitlines(True), FILENAME)
     try:
         tree = ast.parse(code, FILENAME, "exec")
@@ -89,7 +89,7 @@ def _run(code: str, meta_fd: int) -> int:
         sys.stderr.write("".join(traceback.format_exception_only(type(e), e)))
         return 1
     trailing = None
-    if tree.body and isinstance(tree.body[-1], ast.Expr):
+    if display and tree.body and isinstance(tree.body[-1], ast.Expr):
         trailing = ast.Expression(tree.body.pop().value)
     namespace = {"__name__": "__main__", "__builtins__": builtins, "__doc__": None}
     try:
@@ -203,9 +203,10 @@ def _finish(rc: int) -> None:
     os._exit(rc)
 
 
-def run_program(code: str, meta_fd: int, error_format: str = "") -> None:
+def run_program(code: str, meta_fd: int, error_format: str = "", *, script: bool = False) -> None:
     """Runs the user's program and exits the process (never returns). error_format: "" or
-    "traceback", or "release" (see the module docstring)."""
+    "traceback", or "release" (see the module docstring). script: as `python file.py` runs it
+    (SandboxFusion's semantics): a trailing expression is not displayed."""
     rc = 1
     try:
         atexit._clear()  # handlers registered by the worker's own imports are not the user's
@@ -220,7 +221,7 @@ def run_program(code: str, meta_fd: int, error_format: str = "") -> None:
                 sys.stderr.write(_user_traceback(e))
                 rc = 1
         else:
-            rc = _run(code, meta_fd)
+            rc = _run(code, meta_fd, display=not script)
     finally:
         _finish(rc)
 

@@ -29,6 +29,7 @@ import selectors
 import shutil
 import signal
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -97,6 +98,10 @@ class Call:
     stream_cap_chars: int = 0  # > 0: keep this many characters per stream, discard the rest, never kill
     error_format: str = ""  # the harness's: "" / "traceback" or "release"
     memory_address_space: bool = False  # memory_mb bounds the whole address space (not resident memory)
+    script: bool = False  # run as `python file.py` would: no display of a trailing expression
+    files: list = dataclasses.field(default_factory=list)  # paths written before the run (contents: payload[2:])
+    fetch_files: list = dataclasses.field(default_factory=list)  # paths read back after the run
+    fetched: dict = dataclasses.field(default_factory=dict)  # path -> contents
     grace_killed_at: float | None = None
     scratch_dir: str | None = None
     streams: dict = dataclasses.field(default_factory=dict)  # name -> [fd, bytearray, truncated, cap]
@@ -412,7 +417,9 @@ class Zygote:
             call = Call(id=header["id"], kind=header["kind"], payload=blobs, timeout_s=float(header["timeout_s"]),
                         memory_mb=int(header["memory_mb"]), stream_cap_chars=int(header.get("stream_cap_chars", 0)),
                         error_format=str(header.get("error_format", "")),
-                        memory_address_space=bool(header.get("memory_address_space", False)))
+                        memory_address_space=bool(header.get("memory_address_space", False)),
+                        script=bool(header.get("script", False)), files=list(header.get("files", ())),
+                        fetch_files=list(header.get("fetch_files", ())))
             self.calls[call.id] = call
             self.pending.append(call)
         self._start_pending()
@@ -513,8 +520,11 @@ class Zygote:
                 os.write(2, f"sandbox setup failed: {e!r}\n".encode())
             finally:
                 os._exit(125)
+        if call.files:
+            _write_files(call.files, call.payload[2:])  # as the call's uid, under its limits
         if call.kind == "exec":
-            harness.run_program(call.payload[0].decode("utf-8", errors="replace"), 3, error_format=call.error_format)
+            harness.run_program(call.payload[0].decode("utf-8", errors="replace"), 3, error_format=call.error_format,
+                                script=call.script)
         else:
             harness.run_verify(call.payload[0].decode("utf-8", errors="replace"),
                                call.payload[1].decode("utf-8", errors="replace"), 3)
@@ -603,6 +613,8 @@ class Zygote:
         if call.exited_at is None or any(s[0] != -1 for s in call.streams.values()) or call.id not in self.calls:
             return
         self._empty_slot(call)
+        if call.fetch_files:
+            call.fetched = self._fetch(call)
         if call.slot.scratch:
             self._clean_slot_scratch(call.slot)
         header, blobs = self._result(call)
@@ -612,6 +624,19 @@ class Zygote:
             shutil.rmtree(call.scratch_dir, ignore_errors=True)
         self._send(header, blobs)
         self._start_pending()
+
+    def _fetch(self, call: Call) -> dict[str, bytes]:
+        """The call's files `fetch_files` names, read from its scratch once its processes are gone;
+        a path that is missing, not a regular file or reached through a symlink is left out."""
+        root = f"{call.slot.scratch}/tmp" if call.slot.scratch else call.scratch_dir
+        if root is None:  # a mount namespace per call: its scratch is gone with it
+            return {}
+        found = {}
+        for path in call.fetch_files:
+            data = _read_beneath(root, path)
+            if data is not None:
+                found[path] = data
+        return found
 
     def _empty_slot(self, call: Call) -> None:
         """Kills and reaps whatever the call left behind; the slot is reused only when empty."""
@@ -668,7 +693,8 @@ class Zygote:
                   "stdout_truncated": out[2], "stderr_truncated": err[2], "message": message}
         if call.kind == "verify":
             header["verify"] = _parse_verify(meta[1]) if code == status.OK else None
-        return header, [stdout, stderr]
+        header["files"] = list(call.fetched)
+        return header, [stdout, stderr, *call.fetched.values()]
 
     def _reply_error(self, call: Call, message: str) -> None:
         self.calls.pop(call.id, None)
@@ -704,6 +730,46 @@ def _first_chars(data: bytes, n: int, overflowed: bool) -> tuple[bytes, bool]:
     cut off."""
     text = data.decode("utf-8", "surrogateescape")
     return text[:n].encode("utf-8", "surrogateescape"), overflowed or len(text) > n
+
+
+def _write_files(paths: list[str], contents: list[bytes]) -> None:
+    """(In the call's process.) Writes the request's files under the working directory; a failure
+    (no space, the file-size limit) ends the call as the program's error."""
+    try:
+        for path, data in zip(paths, contents, strict=True):
+            parent = os.path.dirname(path)
+            if parent:
+                os.makedirs(parent, exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(data)
+    except (OSError, ValueError) as e:
+        os.write(2, f"could not write the request's files: {e}\n".encode(errors="replace"))
+        os._exit(1)
+
+
+def _read_beneath(root: str, path: str) -> bytes | None:
+    """The regular file `path` (relative) under `root`, following no symlink on the way."""
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        return None
+    fds = []
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        fds.append(fd)
+        for part in parts[:-1]:
+            fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            fds.append(fd)
+        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+        fds.append(fd)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _parse_verify(meta: bytes) -> dict | None:
