@@ -35,7 +35,7 @@ import tempfile
 import time
 
 from sandbox_service import harness, isolation, status
-from sandbox_service.framing import FrameBuffer, encode
+from sandbox_service.framing import FrameBuffer, decode_body, encode
 
 log = logging.getLogger("sandbox_service.worker")
 
@@ -78,6 +78,17 @@ class Slot:
     busy: bool = False
     ns_fd: int | None = None  # the slot's prepared mount namespace (private /tmp and /dev/shm)
     scratch: str | None = None  # where the zygote sees that scratch: <scratch>/tmp, <scratch>/shm
+    warm: Warm | None = None  # the next call's process, waiting for its request
+
+
+@dataclasses.dataclass
+class Warm:
+    """A slot's call process, forked and isolated ahead of its call."""
+    pid: int
+    request_w: int
+    pipes: dict  # stdout, stderr, meta -> read end
+    scratch_dir: str | None
+    exited: bool = False
 
 
 @dataclasses.dataclass
@@ -102,6 +113,8 @@ class Call:
     files: list = dataclasses.field(default_factory=list)  # paths written before the run (contents: payload[2:])
     fetch_files: list = dataclasses.field(default_factory=list)  # paths read back after the run
     fetched: dict = dataclasses.field(default_factory=dict)  # path -> contents
+    request: memoryview = memoryview(b"")  # what is still to be written to the process
+    request_fd: int = -1
     grace_killed_at: float | None = None
     scratch_dir: str | None = None
     streams: dict = dataclasses.field(default_factory=dict)  # name -> [fd, bytearray, truncated, cap]
@@ -120,6 +133,7 @@ class Zygote:
         self.sel = selectors.DefaultSelector()
         self.calls: dict[int, Call] = {}
         self.by_pid: dict[int, Call] = {}
+        self.warm_pids: dict[int, Warm] = {}
         self.pending: collections.deque[Call] = collections.deque()
         self.slots: list[Slot] = []
         self.seccomp = None
@@ -363,6 +377,12 @@ class Zygote:
             slot.cgroups._memory_limit = None  # the probe changed it
         return None if rc == 0 else f"user namespace probe failed (rc {rc}) {error}".strip()
 
+    def _scratch_limits(self) -> isolation.CallLimits:
+        """For a mount namespace per call (only scratch_bytes is read)."""
+        scratch = self.args.scratch_mb << 20
+        return isolation.CallLimits(cpu_s=0, memory_bytes=0, address_space_bytes=None, file_size_bytes=scratch,
+                                    open_files=0, processes=0, scratch_bytes=scratch)
+
     def _limits_for_probe(self) -> isolation.CallLimits:
         return isolation.CallLimits(cpu_s=1, memory_bytes=64 << 20, address_space_bytes=None, file_size_bytes=1 << 20,
                                     open_files=64, processes=8, scratch_bytes=1 << 20)
@@ -374,6 +394,8 @@ class Zygote:
     def serve(self) -> None:
         self._send({"type": "ready", "pid": os.getpid(), "flavour": self.args.flavour, "slots": self.args.slots,
                     "isolation": self.report.to_dict()})
+        for slot in self.slots:
+            self._warm_ahead(slot)
         while True:
             for key, _ in self.sel.select(self._next_timeout()):
                 kind, call = key.data
@@ -385,6 +407,8 @@ class Zygote:
                             pass
                     except BlockingIOError:
                         pass
+                elif kind == "request":
+                    self._write_request(call)
                 else:
                     self._on_stream(call, kind)
             self._reap()
@@ -450,42 +474,93 @@ class Zygote:
             file_size_bytes=a.scratch_mb << 20, open_files=a.open_files, processes=a.pids_max,
             scratch_bytes=a.scratch_mb << 20)
 
+    def _warm(self, slot: Slot) -> Warm:
+        """Forks the slot's next call process ahead of its call: it isolates itself (cgroups, mount
+        namespace, uid, seccomp) and waits for its request, so that a call pays only the write of
+        its request, its run and the collection."""
+        request_r, request_w = os.pipe()
+        pipes = {name: os.pipe() for name in ("stdout", "stderr", "meta")}
+        scratch_dir = None
+        if not self.mount_ns:
+            scratch_dir = tempfile.mkdtemp(dir=self.scratch_root)
+            os.chown(scratch_dir, slot.uid, slot.gid)
+        pid = os.fork()
+        if pid == 0:
+            self._child(slot, request_r, {k: v[1] for k, v in pipes.items()}, scratch_dir)
+        os.close(request_r)
+        for _, w in pipes.values():
+            os.close(w)
+        os.set_blocking(request_w, False)
+        warm = Warm(pid, request_w, {k: v[0] for k, v in pipes.items()}, scratch_dir)
+        self.warm_pids[pid] = warm
+        return warm
+
+    def _warm_ahead(self, slot: Slot) -> None:
+        try:
+            slot.warm = self._warm(slot)
+        except OSError as e:  # (no memory to fork, ...) the call will fork its own
+            log.warning("could not prepare slot %s ahead of its call: %s", slot.index, e)
+
+    def _discard_warm(self, warm: Warm) -> None:
+        for fd in (warm.request_w, *warm.pipes.values()):
+            os.close(fd)
+        if warm.scratch_dir:
+            shutil.rmtree(warm.scratch_dir, ignore_errors=True)
+
     def _start(self, call: Call, slot: Slot) -> None:
         call.slot, slot.busy = slot, True
         limits = self._limits(call)
         if slot.cgroups:
             slot.cgroups.set_memory_limit(limits.memory_bytes)
-        stdin = call.payload[1] if call.kind == "exec" else b""
-        in_r, in_w = os.pipe()
-        if len(stdin) > 65536:
-            fcntl.fcntl(in_w, _F_SETPIPE_SZ, len(stdin))
-        if stdin:
-            os.write(in_w, stdin)
-        os.close(in_w)
-        pipes = {name: os.pipe() for name in ("stdout", "stderr", "meta")}
-        if not self.mount_ns:
-            call.scratch_dir = tempfile.mkdtemp(dir=self.scratch_root)
-            os.chown(call.scratch_dir, slot.uid, slot.gid)
+        warm, slot.warm = slot.warm, None
+        if warm is not None and warm.exited:  # died waiting (killed from outside): start another
+            self._discard_warm(warm)
+            warm = None
+        warm = warm or self._warm(slot)
+        del self.warm_pids[warm.pid]
+        call.pid, call.scratch_dir = warm.pid, warm.scratch_dir
+        self.by_pid[warm.pid] = call
         call.start = time.monotonic()
         call.deadline = call.start + call.timeout_s
-        pid = os.fork()
-        if pid == 0:
-            self._child(call, slot, limits, in_r, {k: v[1] for k, v in pipes.items()})
-        os.close(in_r)
-        call.pid = pid
-        self.by_pid[pid] = call
+        header = {"kind": call.kind, "script": call.script, "error_format": call.error_format, "files": call.files,
+                  "limits": dataclasses.asdict(limits)}
+        call.request, call.request_fd = memoryview(encode(header, call.payload)), warm.request_w
+        self._write_request(call)
+        if call.request_fd != -1:
+            self.sel.register(call.request_fd, selectors.EVENT_WRITE, ("request", call))
         # A character cap keeps 4 bytes per character (UTF-8's widest) and 4 more, so that the first N
         # characters are whole whatever the encoding; `_result` then cuts at N characters.
         out_cap = 4 * call.stream_cap_chars + 4 if call.stream_cap_chars else self.args.output_limit
         caps = {"stdout": out_cap, "stderr": out_cap, "meta": 1 << 20}
-        for name, (r, w) in pipes.items():
-            os.close(w)
+        for name, r in warm.pipes.items():
             os.set_blocking(r, False)
             call.streams[name] = [r, bytearray(), False, caps[name]]
             self.sel.register(r, selectors.EVENT_READ, (name, call))
 
-    def _child(self, call: Call, slot: Slot, limits: isolation.CallLimits, stdin_fd: int, w: dict) -> None:
-        """In the forked child: isolate, then run the harness. Never returns."""
+    def _write_request(self, call: Call) -> None:
+        """Writes what the pipe takes of the call's request; the rest when it is writable again."""
+        try:
+            while call.request:
+                n = os.write(call.request_fd, call.request)
+                call.request = call.request[n:]
+        except BlockingIOError:
+            return
+        except OSError:  # the process is gone: its exit is reported as the call's
+            call.request = memoryview(b"")
+        self._close_request(call)
+
+    def _close_request(self, call: Call) -> None:
+        if call.request_fd == -1:
+            return
+        try:
+            self.sel.unregister(call.request_fd)
+        except KeyError:
+            pass
+        os.close(call.request_fd)
+        call.request_fd = -1
+
+    def _child(self, slot: Slot, request_fd: int, w: dict, scratch_dir: str | None) -> None:
+        """In the forked child: isolate, wait for the request, then run the harness. Never returns."""
         try:
             signal.set_wakeup_fd(-1)
             for sig in (signal.SIGCHLD, signal.SIGTERM):
@@ -495,39 +570,56 @@ class Zygote:
                 slot.cgroups.attach_self()
             if slot.ns_fd is not None:
                 isolation.setns(slot.ns_fd, isolation.CLONE_NEWNS)
-            os.dup2(stdin_fd, 0)
             os.dup2(w["stdout"], 1)
             os.dup2(w["stderr"], 2)
             os.dup2(w["meta"], 3)
-            os.closerange(4, 1 << 16)
+            os.dup2(request_fd, 4)
+            os.closerange(5, 1 << 16)
             if slot.ns_fd is not None:
                 os.chdir("/tmp")
             elif self.mount_ns:
-                isolation.mount_call_scratch(limits, slot.uid, slot.gid)
+                isolation.mount_call_scratch(self._scratch_limits(), slot.uid, slot.gid)
                 os.chdir("/tmp")
             else:
-                os.chdir(call.scratch_dir)
-                os.environ["HOME"] = os.environ["TMPDIR"] = call.scratch_dir
-            isolation.apply_rlimits(limits, per_uid=self.per_slot_uid)
+                os.chdir(scratch_dir)
+                os.environ["HOME"] = os.environ["TMPDIR"] = scratch_dir
+            isolation.set_parent_death_signal(signal.SIGKILL)
+            request = bytearray()
+            while chunk := os.read(4, _READ_CHUNK):
+                request += chunk
+            os.close(4)
+            header, payload = decode_body(memoryview(request)[4:])
+            del request
+            isolation.apply_rlimits(isolation.CallLimits(**header["limits"]), per_uid=self.per_slot_uid)
+            # Only now the slot's uid: a process waiting for its call is not the slot's to signal.
             if self.per_slot_uid:
                 isolation.drop_privileges(slot.uid, slot.gid)
-            isolation.set_parent_death_signal(signal.SIGKILL)
+                isolation.set_parent_death_signal(signal.SIGKILL)  # a change of uid cleared it
             if self.seccomp and not self.seccomp_loaded:
                 isolation.load_seccomp(self.seccomp)
+            stdin = payload[1] if header["kind"] == "exec" else b""
+            in_r, in_w = os.pipe()
+            if len(stdin) > 65536:
+                fcntl.fcntl(in_w, _F_SETPIPE_SZ, len(stdin))
+            if stdin:
+                os.write(in_w, stdin)
+            os.close(in_w)
+            os.dup2(in_r, 0)
+            os.close(in_r)
         except BaseException as e:  # noqa: BLE001 - any setup failure is the service's, not the user's
             try:
                 os.write(3, SETUP_FAILED_TAG)
                 os.write(2, f"sandbox setup failed: {e!r}\n".encode())
             finally:
                 os._exit(125)
-        if call.files:
-            _write_files(call.files, call.payload[2:])  # as the call's uid, under its limits
-        if call.kind == "exec":
-            harness.run_program(call.payload[0].decode("utf-8", errors="replace"), 3, error_format=call.error_format,
-                                script=call.script)
+        if header["files"]:
+            _write_files(header["files"], payload[2:])  # as the call's uid, under its limits
+        if header["kind"] == "exec":
+            harness.run_program(payload[0].decode("utf-8", errors="replace"), 3, error_format=header["error_format"],
+                                script=header["script"])
         else:
-            harness.run_verify(call.payload[0].decode("utf-8", errors="replace"),
-                               call.payload[1].decode("utf-8", errors="replace"), 3)
+            harness.run_verify(payload[0].decode("utf-8", errors="replace"),
+                               payload[1].decode("utf-8", errors="replace"), 3)
         os._exit(1)  # unreachable: the harness exits
 
     # -- running calls -------------------------------------------------------------------------------
@@ -583,6 +675,9 @@ class Zygote:
                 return
             if pid == 0:
                 return
+            if pid in self.warm_pids:
+                self.warm_pids.pop(pid).exited = True
+                continue
             call = self.by_pid.pop(pid, None)
             if call is not None:
                 call.exited_at = time.monotonic()
@@ -612,6 +707,7 @@ class Zygote:
     def _maybe_finish(self, call: Call) -> None:
         if call.exited_at is None or any(s[0] != -1 for s in call.streams.values()) or call.id not in self.calls:
             return
+        self._close_request(call)
         self._empty_slot(call)
         if call.fetch_files:
             call.fetched = self._fetch(call)
@@ -624,6 +720,8 @@ class Zygote:
             shutil.rmtree(call.scratch_dir, ignore_errors=True)
         self._send(header, blobs)
         self._start_pending()
+        if not call.slot.busy:  # after the reply: the next call of this slot finds its process ready
+            self._warm_ahead(call.slot)
 
     def _fetch(self, call: Call) -> dict[str, bytes]:
         """The call's files `fetch_files` names, read from its scratch once its processes are gone;
@@ -705,6 +803,8 @@ class Zygote:
                     "message": message}, [b"", b""])
 
     def _shutdown(self, code: int) -> None:
+        for pid in self.warm_pids:
+            os.kill(pid, signal.SIGKILL)
         for call in list(self.calls.values()):
             if call.pid:
                 self._kill_slot(call)
