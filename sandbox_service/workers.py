@@ -2,15 +2,17 @@
 
 Start-up: pre-import the flavour's modules, enter new pid/net/mount/ipc/uts namespaces, fork once so
 that the zygote is PID 1 of the pid namespace (the outer process only waits), mount a private /proc
-and a read-only view of the host, create the slots' cgroups, and report the isolation in force.
+and a read-only view of the host, create the slots' cgroups and mount namespaces (private /tmp and
+/dev/shm per slot), and report the isolation in force.
 
-Per call, in a free slot: fork; the child joins the slot's cgroups, gets private tmpfs /tmp (its
-working directory) and /dev/shm, a clean environment, rlimits (soft = hard), the slot's uid and a
-seccomp filter, then runs the harness. The zygote drains stdout/stderr as they arrive (byte caps whose
-overrun kills the call, or a call's character cap beyond which output is discarded),
-tracks the wall deadline on the process itself (SIGCHLD, not pipe EOF), kills the slot's whole
-cgroup at the deadline, on overflow and after the main process exits, reaps orphans (it is PID 1),
-and only then frees the slot.
+Per slot, ahead of its call: fork; the child joins the slot's cgroups and mount namespace, takes its
+stdout/stderr pipes and a clean environment, then waits for its request on a pipe. A call writes its
+request; the child applies the call's rlimits (soft = hard), takes the slot's uid and the seccomp
+filter, and runs the harness. The zygote drains stdout/stderr as they arrive (byte caps whose overrun
+kills the call, or a call's character cap beyond which output is discarded), tracks the wall deadline
+on the process itself (SIGCHLD, not pipe EOF), kills the slot's whole cgroup at the deadline, on
+overflow and after the main process exits, reaps orphans (it is PID 1), empties the slot's scratch,
+replies, and only then forks the slot's next process.
 """
 
 from __future__ import annotations
