@@ -1,18 +1,23 @@
-"""Sandbox throughput and latency through gRPC, beside a naive `subprocess.run([python, "-c", code])`
-baseline measured in the same run.
+"""Sandbox throughput and latency through gRPC, beside the machine's limit and a naive
+`subprocess.run([python, "-c", code])` baseline, all measured in the same run.
 
-    python benchmarks/sandbox_throughput.py [--calls 2000] [--concurrency 1 16 64 256] [--workers 1]
+    python benchmarks/sandbox_throughput.py [--calls 2000] [--concurrency 1 16 64 256] [--servers 1 2]
 
 Prints calls/s and p50/p99 client-side latency for `print(1+1)` and for a small sympy snippet at each
-concurrency, the ratio against the naive baseline (run with as many threads as CPU cores, its best
-case), and the isolation level in force. Reference (sandbox.md §5): a bare warm fork worker tops out
-at about 650 trivial calls/s on 2 cores (430 hardened), with no RPC in the path.
+concurrency, and the isolation level in force. Two references, each measured in this run:
+- the lean fork ceiling: one fresh interpreter per core that imports nothing and, per call, forks a
+  child that runs the code into a pipe, reads the output and reaps it (no RPC, no isolation; the
+  interpreters' start-up is not timed). Trivial rows print their share of it: the fraction of the
+  machine's fork-per-call limit the service delivers with full isolation, client included.
+- the naive baseline, run with as many threads as CPU cores (its best case).
+`--servers 2` adds rows where the client spreads calls over two servers (least loaded).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import subprocess
@@ -36,6 +41,95 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
+# A lean fork worker: `python -S -I -c LEAN_WORKER code calls`. It waits for a byte on stdin (so
+# that start-up is not timed), runs `calls` fork-per-call executions and prints its timings.
+LEAN_WORKER = r"""
+import os, sys, time
+code, calls = compile(sys.argv[1], "<call>", "exec"), int(sys.argv[2])
+print("ready", flush=True)
+sys.stdin.buffer.read(1)
+latencies, start = [], time.perf_counter()
+for _ in range(calls):
+    t = time.perf_counter()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(r)
+        os.dup2(w, 1)
+        sys.stdout = open(1, "w", closefd=False)
+        exec(code, {"__name__": "__main__"})
+        sys.stdout.flush()
+        os._exit(0)
+    os.close(w)
+    out = b""
+    while chunk := os.read(r, 65536):
+        out += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    latencies.append(time.perf_counter() - t)
+print(time.perf_counter() - start, out.decode().strip(), *latencies, flush=True)
+"""
+
+
+def lean_fork_ceiling(code: str, expected: str, calls: int, workers: int) -> dict:
+    """The machine's fork-per-call limit: `workers` lean fork workers started, then timed together."""
+    procs = [subprocess.Popen([sys.executable, "-S", "-I", "-c", LEAN_WORKER, code, str(calls // workers)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(workers)]
+    try:
+        for p in procs:
+            if p.stdout.readline().strip() != "ready":
+                raise RuntimeError("a lean fork worker did not start")
+        t0 = time.perf_counter()
+        for p in procs:
+            p.stdin.write("g")
+            p.stdin.flush()
+        lines = [p.stdout.readline().split() for p in procs]
+        wall = time.perf_counter() - t0
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    lat = [float(x) for line in lines for x in line[2:]]
+    if any(line[1] != expected.strip() for line in lines):
+        raise RuntimeError(f"lean fork workers produced {[line[1] for line in lines]}")
+    return {"calls_s": len(lat) / wall, "p50_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * percentile(lat, 0.99)}
+
+
+def _proc_cpu_s(pid: int) -> tuple[float, float]:
+    """(own, reaped children's) user + system CPU seconds of a process."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / tick, (int(fields[13]) + int(fields[14])) / tick
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry))
+            except OSError:
+                continue
+    return found
+
+
+class CpuMeter:
+    """Where the CPU of a row goes: this process (the client), each server process, their workers'
+    zygotes and the call processes those reap (a zygote is PID 1 of its namespace and reaps them)."""
+
+    def __init__(self, server_pids: list[int]):
+        self.servers = server_pids
+        self.zygotes = [z for s in server_pids for outer in _children(s) for z in _children(outer)]
+
+    def read(self) -> dict:
+        t = os.times()
+        out = {"client": t.user + t.system, "server": sum(_proc_cpu_s(p)[0] for p in self.servers)}
+        zygote = [_proc_cpu_s(p) for p in self.zygotes]
+        out["zygotes"], out["call processes"] = sum(z[0] for z in zygote), sum(z[1] for z in zygote)
+        return out
+
+
 def naive(code: str, expected: str, calls: int, threads: int) -> dict:
     def one(_):
         t = time.perf_counter()
@@ -52,9 +146,9 @@ def naive(code: str, expected: str, calls: int, threads: int) -> dict:
     return {"calls_s": calls / wall, "p50_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * percentile(lat, 0.99)}
 
 
-async def through_grpc(target: str, code: str, expected: str, calls: int, concurrency: int, batch_size: int,
-                       batch_wait_ms: float) -> dict:
-    async with SandboxClient(target, batch_size=batch_size, batch_wait_ms=batch_wait_ms) as client:
+async def through_grpc(targets: list[str], code: str, expected: str, calls: int, concurrency: int, batch_size: int,
+                       batch_wait_ms: float, meter: CpuMeter | None = None) -> dict:
+    async with SandboxClient(targets, batch_size=batch_size, batch_wait_ms=batch_wait_ms) as client:
         gate = asyncio.Semaphore(concurrency)
         lat: list[float] = []
 
@@ -68,10 +162,14 @@ async def through_grpc(target: str, code: str, expected: str, calls: int, concur
 
         await asyncio.gather(*(one() for _ in range(min(calls, 2 * concurrency))))  # warm-up
         lat.clear()
+        before = meter.read() if meter else {}
         t0 = time.perf_counter()
         await asyncio.gather(*(one() for _ in range(calls)))
         wall = time.perf_counter() - t0
-    return {"calls_s": calls / wall, "p50_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * percentile(lat, 0.99)}
+        after = meter.read() if meter else {}
+    cpu_ms = {k: 1e3 * (after[k] - before[k]) / calls for k in before}
+    return {"calls_s": calls / wall, "p50_ms": 1e3 * statistics.median(lat), "p99_ms": 1e3 * percentile(lat, 0.99),
+            "cpu_ms": cpu_ms}
 
 
 def main() -> None:
@@ -79,7 +177,10 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=2000, help="calls per row for print(1+1); sympy uses a quarter")
     p.add_argument("--naive-calls", type=int, default=60)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64, 256])
-    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="workers per flavour")
+    p.add_argument("--servers", type=int, nargs="+", default=[1, 2], help="rows for each number of servers")
+    p.add_argument("--payloads", nargs="+", choices=sorted(PAYLOADS), default=list(PAYLOADS))
+    p.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) // 2),
+                   help="workers per flavour and server")
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--batch-wait-ms", type=float, default=1.0)
@@ -88,32 +189,66 @@ def main() -> None:
     asyncio.run(run(a))
 
 
+ROW = "{:<12} {:<24} {:>5} {:>6} {:>9.1f} {:>8.2f} {:>8.2f} {:>9} {:>9}"
+
+
 async def run(a) -> None:
     """One event loop for every gRPC row (grpc.aio channels are bound to their loop)."""
     cores = os.cpu_count() or 1
     print(f"machine: {cores} CPU cores, load average {os.getloadavg()[0]:.1f} at start; "
           f"python {sys.version.split()[0]}")
-    async with LocalSandbox(workers=a.workers, slots=a.slots, isolation=a.isolation, timeout_s=30.0) as sb:
-        info = await _info(sb.target)
+    async with contextlib.AsyncExitStack() as stack:
+        servers = [await stack.enter_async_context(
+            LocalSandbox(workers=a.workers, slots=a.slots, isolation=a.isolation, timeout_s=30.0))
+            for _ in range(max(a.servers))]
+        info = await _info(servers[0].target)
         missing = [k for k, v in info.isolation_features.items() if not v]
         print(f"server: {a.workers} worker(s) x {a.slots} slots per flavour; isolation level {info.isolation_level!r}"
-              + (f" (missing: {missing})" if missing else ""))
-        print(f"client: batch_size {a.batch_size}, batch_wait_ms {a.batch_wait_ms}")
+              + (f" (missing: {missing})" if missing else "")
+              + (f"; warnings: {info.isolation_warnings}" if info.isolation_warnings else ""))
+        print(f"client: batch_size {a.batch_size}, batch_wait_ms {a.batch_wait_ms}, least-loaded over the servers")
         print()
-        print(f"{'payload':<12} {'variant':<22} {'conc':>5} {'calls':>6} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
-              f"{'vs naive':>9}")
-        for name, (code, expected) in PAYLOADS.items():
+        print(f"{'payload':<12} {'variant':<24} {'conc':>5} {'calls':>6} {'calls/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
+              f"{'vs naive':>9} {'ceiling':>9}")
+        cpu_rows, ceilings = [], []
+        for name in a.payloads:
+            code, expected = PAYLOADS[name]
             n_naive = a.naive_calls if name == "print(1+1)" else max(8, a.naive_calls // 4)
             base = await asyncio.to_thread(naive, code, expected, n_naive, cores)
-            print(f"{name:<12} {'naive subprocess.run':<22} {cores:>5} {n_naive:>6} {base['calls_s']:>9.1f} "
-                  f"{base['p50_ms']:>8.1f} {base['p99_ms']:>8.1f} {1.0:>8.1f}x", flush=True)
+            print(ROW.format(name, "naive subprocess.run", cores, n_naive, base["calls_s"], base["p50_ms"],
+                             base["p99_ms"], "1.0x", ""), flush=True)
             n = a.calls if name == "print(1+1)" else max(50, a.calls // 4)
-            for conc in a.concurrency:
-                row = await through_grpc(sb.target, code, expected, n, conc, a.batch_size, a.batch_wait_ms)
-                print(f"{name:<12} {'sandbox gRPC':<22} {conc:>5} {n:>6} {row['calls_s']:>9.1f} {row['p50_ms']:>8.1f} "
-                      f"{row['p99_ms']:>8.1f} {row['calls_s'] / base['calls_s']:>8.1f}x", flush=True)
-    print(f"\nload average at end {os.getloadavg()[0]:.1f}. Physical reference (sandbox.md §5, bare fork worker, "
-          "no RPC, 2 cores): about 650 trivial calls/s (430 hardened).")
+            ceiling = None
+            if name == "print(1+1)":
+                ceiling = await asyncio.to_thread(lean_fork_ceiling, code, expected, 2 * n, cores)
+                print(ROW.format(name, "lean fork ceiling", cores, 2 * n, ceiling["calls_s"], ceiling["p50_ms"],
+                                 ceiling["p99_ms"], f"{ceiling['calls_s'] / base['calls_s']:.1f}x", "100%"),
+                      flush=True)
+                ceilings.append(ceiling["calls_s"])
+            for count in a.servers:
+                targets = [sb.target for sb in servers[:count]]
+                variant = "sandbox gRPC" + (f" x{count} servers" if count > 1 else "")
+                meter = CpuMeter([sb.proc.pid for sb in servers[:count]])
+                for conc in a.concurrency:
+                    row = await through_grpc(targets, code, expected, n, conc, a.batch_size, a.batch_wait_ms, meter)
+                    share = f"{100 * row['calls_s'] / ceiling['calls_s']:.0f}%" if ceiling else ""
+                    print(ROW.format(name, variant, conc, n, row["calls_s"], row["p50_ms"], row["p99_ms"],
+                                     f"{row['calls_s'] / base['calls_s']:.1f}x", share), flush=True)
+                    cpu_rows.append((name, variant, conc, row["cpu_ms"]))
+            if ceiling:  # the machine may have changed under the rows: measure the limit again
+                again = await asyncio.to_thread(lean_fork_ceiling, code, expected, 2 * n, cores)
+                print(ROW.format(name, "lean fork ceiling, again", cores, 2 * n, again["calls_s"], again["p50_ms"],
+                                 again["p99_ms"], f"{again['calls_s'] / base['calls_s']:.1f}x", "100%"), flush=True)
+                ceilings.append(again["calls_s"])
+    print("\nCPU ms per call (/proc counters over each row; the call processes are reaped by the zygotes)")
+    parts = ("client", "server", "zygotes", "call processes")
+    print(f"{'payload':<12} {'variant':<24} {'conc':>5} " + " ".join(f"{p:>14}" for p in parts) + f" {'total':>8}")
+    for name, variant, conc, cpu in cpu_rows:
+        print(f"{name:<12} {variant:<24} {conc:>5} " + " ".join(f"{cpu[p]:>14.2f}" for p in parts)
+              + f" {sum(cpu.values()):>8.2f}")
+    if ceilings:  # busy cores over calls/s: CPU per call at the ceiling, its fork, run and reap included
+        print(f"lean fork ceiling: {1e3 * cores / max(ceilings):.2f} CPU ms per call at its best")
+    print(f"\nload average at end {os.getloadavg()[0]:.1f}")
 
 
 async def _info(target):
