@@ -1,4 +1,5 @@
-"""`python -m sandbox_service --port PORT [--workers N] ...`: run the sandbox gRPC server."""
+"""`python -m sandbox_service --port PORT [--http-port PORT] [--workers N] ...`: run the sandbox gRPC server
+(and SandboxFusion's HTTP API beside it)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ def parse_args(argv=None) -> tuple[ServerOptions, argparse.Namespace]:
                    help="worker processes per flavour (lean and sci); default: CPU count")
     p.add_argument("--slots", type=int, default=d.slots, help="concurrent calls per worker (default %(default)s)")
     p.add_argument("--port-file", help="write the bound port to this file once serving")
+    p.add_argument("--http-port", type=int, default=d.http_port,
+                   help="also serve SandboxFusion's HTTP API (POST /run_code, GET /v1/ping) on this port "
+                        "(0: any free port; see --http-port-file)")
+    p.add_argument("--http-port-file", help="write the bound HTTP port to this file once serving (before --port-file)")
     p.add_argument("--timeout-s", type=float, default=d.timeout_s, help="default wall-clock limit per call")
     p.add_argument("--max-timeout-s", type=float, default=d.max_timeout_s, help="largest limit a request may ask")
     p.add_argument("--memory-mb", type=int, default=d.memory_mb, help="default memory limit per call")
@@ -41,11 +46,13 @@ def parse_args(argv=None) -> tuple[ServerOptions, argparse.Namespace]:
                          max_timeout_s=a.max_timeout_s, memory_mb=a.memory_mb, max_memory_mb=a.max_memory_mb,
                          max_queue=a.max_queue, output_limit_bytes=a.output_limit_bytes,
                          verify_timeout_s=a.verify_timeout_s, scratch_mb=a.scratch_mb, pids_max=a.pids_max,
-                         isolation=a.isolation, uid_base=a.uid_base)
+                         isolation=a.isolation, uid_base=a.uid_base, http_port=a.http_port)
     try:
         opts.validate()
     except ValueError as e:
         p.error(str(e))
+    if a.http_port_file and a.http_port is None:
+        p.error("--http-port-file needs --http-port")
     return opts, a
 
 
@@ -58,7 +65,8 @@ def main(argv=None) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(opts, port_file=a.port_file, parent_pid=a.parent_pid, stop_event=stop)
+        await serve(opts, port_file=a.port_file, http_port_file=a.http_port_file, parent_pid=a.parent_pid,
+                    stop_event=stop)
 
     asyncio.run(run())
 

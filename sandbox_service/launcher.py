@@ -5,6 +5,9 @@
 
     async with LocalSandbox(workers=2, timeout_s=4.0) as sandbox: ...
 
+    with LocalSandbox(workers=2, http_port=0) as sandbox:   # also SandboxFusion's HTTP API
+        async with SandboxFusionExecutor(sandbox.http_url) as executor: ...
+
 `stop()` terminates the server, which stops its workers; whatever is left of the server's process
 group is then killed, so no process survives. The server also stops by itself when the process that
 started it exits.
@@ -30,13 +33,16 @@ _FLAGS = {"host", "slots", "timeout_s", "max_timeout_s", "memory_mb", "max_memor
 
 
 class LocalSandbox:
-    def __init__(self, workers: int = 2, port: int = 0, *, start_timeout_s: float = 180.0, log_file=None,
-                 **server_opts):
+    def __init__(self, workers: int = 2, port: int = 0, *, http_port: int | None = None,
+                 start_timeout_s: float = 180.0, log_file=None, **server_opts):
+        """http_port: also serve SandboxFusion's HTTP API there (0: any free port; see `http_url`);
+        None: gRPC only."""
         unknown = set(server_opts) - _FLAGS
         if unknown:
             raise ValueError(f"LocalSandbox: unknown server options {sorted(unknown)}; known: {sorted(_FLAGS)}")
         self.workers = workers
         self.port = port
+        self.http_port = http_port
         self.host = server_opts.get("host", "127.0.0.1")
         self.server_opts = server_opts
         self.start_timeout_s = start_timeout_s
@@ -50,9 +56,21 @@ class LocalSandbox:
             raise RuntimeError("LocalSandbox is not running")
         return f"{self.host}:{self.port}"
 
+    @property
+    def http_url(self) -> str:
+        """The base URL of SandboxFusion's HTTP API (`http://host:port`; POST /run_code, GET /v1/ping)."""
+        if self.proc is None:
+            raise RuntimeError("LocalSandbox is not running")
+        if self.http_port is None:
+            raise RuntimeError("LocalSandbox was started without its HTTP API (pass http_port=0)")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.http_port}"
+
     def command(self, port_file: str) -> list[str]:
         cmd = [sys.executable, "-m", "sandbox_service", "--port", str(self.port), "--workers", str(self.workers),
                "--port-file", port_file, "--parent-pid", str(os.getpid())]
+        if self.http_port is not None:
+            cmd += ["--http-port", str(self.http_port), "--http-port-file", port_file + ".http"]
         for key, value in self.server_opts.items():
             cmd += [f"--{key.replace('_', '-')}", str(value)]
         return cmd
@@ -77,6 +95,9 @@ class LocalSandbox:
                 time.sleep(0.05)
             with open(port_file) as f:
                 self.port = int(f.read())
+            if self.http_port is not None:  # written before the gRPC port file
+                with open(port_file + ".http") as f:
+                    self.http_port = int(f.read())
             self._wait_healthy(deadline)
         except BaseException:
             self.stop()

@@ -10,6 +10,9 @@ Admission is bounded: at most capacity + max_queue calls are admitted; beyond th
 RESOURCE_EXHAUSTED at once and ExecuteBatch items come back "rejected" (retryable). A worker that dies
 or hangs is killed and restarted; its in-flight calls are re-dispatched once (executions have no
 effects outside their sandbox), and come back as sandbox_error if the retry is lost too.
+
+With `ServerOptions.http_port`, SandboxFusion's HTTP API (sandbox_service.fusion_api) is served beside
+gRPC, through the same validation (`exec_args`), admission and pool.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ class ServerOptions:
     # derived from the server's pid, so that servers sharing a host do not share uids (RLIMIT_NPROC
     # counts per uid).
     uid_base: int | None = None
+    # Also serve SandboxFusion's HTTP API (sandbox_service.fusion_api) on this port of `host`; 0: any
+    # free port; None: gRPC only.
+    http_port: int | None = None
 
     def validate(self) -> None:
         checks = [("workers", self.workers >= 1), ("slots", self.slots >= 1),
@@ -75,7 +81,9 @@ class ServerOptions:
                   ("verify_timeout_s", 0 < self.verify_timeout_s <= self.max_timeout_s),
                   ("scratch_mb", self.scratch_mb >= 1), ("pids_max", self.pids_max >= 4),
                   ("uid_base", self.uid_base is None or 1000 < self.uid_base < 2**31 - 2 * self.workers * self.slots),
-                  ("slots", self.uid_base is not None or 2 * self.workers * self.slots < UID_STRIDE)]
+                  ("slots", self.uid_base is not None or 2 * self.workers * self.slots < UID_STRIDE),
+                  ("http_port", self.http_port is None or (isinstance(self.http_port, int)
+                                                           and 0 <= self.http_port <= 65535))]
         bad = [name for name, ok in checks if not ok]
         if bad:
             raise ValueError(f"invalid server options: {', '.join(f'{b}={getattr(self, b)!r}' for b in bad)}")
@@ -293,6 +301,10 @@ class Pool:
     def queue_depth(self) -> int:
         return sum(q.qsize() for q in self.queues.values())
 
+    def full_message(self) -> str:
+        return (f"sandbox queue full: {self.in_flight} calls admitted, limit "
+                f"{self.capacity + self.options.max_queue}; retry later")
+
     def try_admit(self) -> bool:
         if self.in_flight >= self.capacity + self.options.max_queue:
             self.counters[status.REJECTED] += 1
@@ -344,6 +356,50 @@ def _error_header(message: str) -> tuple[dict, list[bytes]]:
              "stdout_truncated": False, "stderr_truncated": False, "message": message, "retryable": True}, [b"", b""])
 
 
+def call_limits(o: ServerOptions, timeout_s: float, memory_mb: int, default_timeout: float, *,
+                names: dict | None = None) -> tuple[float, int]:
+    """(timeout, memory) of a call; 0 asks for the default. A ValueError names the bad field, under the
+    caller's own name for it where `names` maps "timeout_s" / "memory_mb" to one (another API's
+    fields: their zero is not "the default", so that hint is left out)."""
+    names = names or {}
+    timeout = timeout_s or default_timeout
+    if not (math.isfinite(timeout) and 0 < timeout <= o.max_timeout_s):
+        hint = "" if "timeout_s" in names else f" (0 = default {default_timeout:g})"
+        raise ValueError(f"{names.get('timeout_s', 'timeout_s')} must be in (0, {o.max_timeout_s:g}]{hint}; "
+                         f"got {timeout_s!r}")
+    memory = memory_mb or o.memory_mb
+    if not 16 <= memory <= o.max_memory_mb:
+        hint = "" if "memory_mb" in names else f" (0 = default {o.memory_mb})"
+        raise ValueError(f"{names.get('memory_mb', 'memory_mb')} must be in [16, {o.max_memory_mb}]{hint}; "
+                         f"got {memory_mb!r}")
+    return timeout, memory
+
+
+def exec_args(o: ServerOptions, code: str, stdin: str, *, timeout_s: float = 0.0, memory_mb: int = 0,
+              stream_cap_chars: int = 0, error_format: str = "", cold_imports: bool = False,
+              memory_address_space: bool = False,
+              names: dict | None = None) -> tuple[list[bytes], float, int, str, dict]:
+    """Validates one execution request of any front end (gRPC's ExecuteRequest fields, or another
+    API's under `names`) and returns what `Pool.run("exec", ...)` takes: blobs [code, stdin], timeout,
+    memory, flavour and the worker options. A ValueError names the bad field."""
+    names = names or {}
+    code_b, stdin_b = code.encode("utf-8", "surrogateescape"), stdin.encode("utf-8", "surrogateescape")
+    if len(code_b) > o.max_code_bytes:
+        raise ValueError(f"{names.get('code', 'code')} is {len(code_b)} bytes; the limit is {o.max_code_bytes}")
+    if len(stdin_b) > o.max_stdin_bytes:
+        raise ValueError(f"{names.get('stdin', 'stdin')} is {len(stdin_b)} bytes; the limit is {o.max_stdin_bytes}")
+    timeout, memory = call_limits(o, timeout_s, memory_mb, o.timeout_s, names=names)
+    if not 0 <= stream_cap_chars <= MAX_STREAM_CAP_CHARS:
+        raise ValueError(f"stream_cap_chars must be in [0, {MAX_STREAM_CAP_CHARS}] (0 = the byte limit "
+                         f"{o.output_limit_bytes}, which kills the call); got {stream_cap_chars}")
+    if error_format not in ERROR_FORMATS:
+        raise ValueError(f"error_format must be one of {ERROR_FORMATS}; got {error_format!r}")
+    flavour = "sci" if _SCI_NAMES.search(code) and not cold_imports else "lean"
+    options = {"stream_cap_chars": int(stream_cap_chars), "error_format": error_format,
+               "memory_address_space": bool(memory_address_space)}
+    return [code_b, stdin_b], timeout, memory, flavour, options
+
+
 class SandboxServicer(pb2_grpc.SandboxServicer):
     def __init__(self, pool: Pool):
         self.pool = pool
@@ -352,33 +408,12 @@ class SandboxServicer(pb2_grpc.SandboxServicer):
 
     # -- validation ----------------------------------------------------------------------------------
     def _limits(self, timeout_s: float, memory_mb: int, default_timeout: float) -> tuple[float, int]:
-        o = self.options
-        timeout = timeout_s or default_timeout
-        if not (math.isfinite(timeout) and 0 < timeout <= o.max_timeout_s):
-            raise ValueError(f"timeout_s must be in (0, {o.max_timeout_s:g}] (0 = default {default_timeout:g}); "
-                             f"got {timeout_s!r}")
-        memory = memory_mb or o.memory_mb
-        if not 16 <= memory <= o.max_memory_mb:
-            raise ValueError(f"memory_mb must be in [16, {o.max_memory_mb}] (0 = default {o.memory_mb}); "
-                             f"got {memory_mb!r}")
-        return timeout, memory
+        return call_limits(self.options, timeout_s, memory_mb, default_timeout)
 
     def _exec_args(self, req) -> tuple[list[bytes], float, int, str, dict]:
-        code, stdin = req.code.encode("utf-8", "surrogateescape"), req.stdin.encode("utf-8", "surrogateescape")
-        if len(code) > self.options.max_code_bytes:
-            raise ValueError(f"code is {len(code)} bytes; the limit is {self.options.max_code_bytes}")
-        if len(stdin) > self.options.max_stdin_bytes:
-            raise ValueError(f"stdin is {len(stdin)} bytes; the limit is {self.options.max_stdin_bytes}")
-        timeout, memory = self._limits(req.timeout_s, req.memory_mb, self.options.timeout_s)
-        if not 0 <= req.stream_cap_chars <= MAX_STREAM_CAP_CHARS:
-            raise ValueError(f"stream_cap_chars must be in [0, {MAX_STREAM_CAP_CHARS}] (0 = the byte limit "
-                             f"{self.options.output_limit_bytes}, which kills the call); got {req.stream_cap_chars}")
-        if req.error_format not in ERROR_FORMATS:
-            raise ValueError(f"error_format must be one of {ERROR_FORMATS}; got {req.error_format!r}")
-        flavour = "sci" if _SCI_NAMES.search(req.code) and not req.cold_imports else "lean"
-        options = {"stream_cap_chars": int(req.stream_cap_chars), "error_format": req.error_format,
-                   "memory_address_space": bool(req.memory_address_space)}
-        return [code, stdin], timeout, memory, flavour, options
+        return exec_args(self.options, req.code, req.stdin, timeout_s=req.timeout_s, memory_mb=req.memory_mb,
+                         stream_cap_chars=req.stream_cap_chars, error_format=req.error_format,
+                         cold_imports=req.cold_imports, memory_address_space=req.memory_address_space)
 
     def _to_result(self, request_id: str, header: dict, blobs: list[bytes], worker: str = "") -> pb2.ExecuteResult:
         code = header["status"]
@@ -395,8 +430,7 @@ class SandboxServicer(pb2_grpc.SandboxServicer):
                                  retryable=retryable)
 
     def _full_message(self) -> str:
-        return (f"sandbox queue full: {self.pool.in_flight} calls admitted, limit "
-                f"{self.pool.capacity + self.options.max_queue}; retry later")
+        return self.pool.full_message()
 
     async def _execute_admitted(self, req) -> pb2.ExecuteResult:
         blobs, timeout, memory, flavour, options = self._exec_args(req)
@@ -480,10 +514,14 @@ class SandboxServicer(pb2_grpc.SandboxServicer):
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
-async def serve(options: ServerOptions, *, port_file: str | None = None, parent_pid: int | None = None,
-                stop_event: asyncio.Event | None = None) -> None:
-    """Starts the workers, then the gRPC server; runs until `stop_event` is set or the parent dies."""
+async def serve(options: ServerOptions, *, port_file: str | None = None, http_port_file: str | None = None,
+                parent_pid: int | None = None, stop_event: asyncio.Event | None = None) -> None:
+    """Starts the workers, then the gRPC server (and SandboxFusion's HTTP API when `options.http_port`
+    is set); runs until `stop_event` is set or the parent dies. The bound ports are written to
+    `http_port_file`, then `port_file`: once the latter exists, both are serving."""
     options.validate()
+    if http_port_file and options.http_port is None:
+        raise ValueError("http_port_file needs options.http_port (the HTTP API is off)")
     pool = Pool(options)
     await pool.start()
     summary = pool.isolation_summary()
@@ -499,15 +537,25 @@ async def serve(options: ServerOptions, *, port_file: str | None = None, parent_
     if port == 0:
         await pool.stop()
         raise RuntimeError(f"could not bind {options.host}:{options.port}")
+    http_runner = None
+    if options.http_port is not None:
+        from sandbox_service import fusion_api  # aiohttp only where the HTTP API is on
+
+        try:
+            http_runner, http_port = await fusion_api.start(pool, options.host, options.http_port)
+        except OSError as e:
+            await pool.stop()
+            raise RuntimeError(f"could not bind {options.host}:{options.http_port} for HTTP: {e}") from e
     await server.start()
     log.info("sandbox serving on %s:%d: %d workers x %d slots per flavour (lean, sci), capacity %d, queue %d, "
              "slot uids from %d", options.host, port, options.workers, options.slots, pool.capacity,
              options.max_queue, pool.options.uid_base)
+    if http_runner is not None:
+        log.info("SandboxFusion HTTP API on http://%s:%d (POST /run_code, GET /v1/ping)", options.host, http_port)
+        if http_port_file:
+            _write_port(http_port_file, http_port)
     if port_file:
-        tmp = f"{port_file}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(str(port))
-        os.replace(tmp, port_file)
+        _write_port(port_file, port)
     stop_event = stop_event or asyncio.Event()
     watcher = asyncio.create_task(_watch_parent(parent_pid, stop_event)) if parent_pid else None
     try:
@@ -515,9 +563,18 @@ async def serve(options: ServerOptions, *, port_file: str | None = None, parent_
     finally:
         if watcher:
             watcher.cancel()
+        if http_runner is not None:
+            await http_runner.cleanup()
         await server.stop(grace=0.5)
         await pool.stop()
         log.info("sandbox stopped")
+
+
+def _write_port(path: str, port: int) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(str(port))
+    os.replace(tmp, path)
 
 
 async def _watch_parent(pid: int, stop_event: asyncio.Event) -> None:
