@@ -118,8 +118,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.rollout.tool_call_parsing = config_dict.placeholder(str)  # "release" | "rich": malformed calls
     c.rollout.max_tool_calls_per_turn = 1  # spec §6.9: the release executes only the first call
     c.rollout.max_concurrency = 512  # trajectories in flight
-    # Before the first step, every generator must answer /health_generate and every sandbox Info
-    # within this many seconds (servers loading a 14B checkpoint take minutes).
+    # Before the first step, every generator must answer /health_generate and every sandbox Info (or
+    # SandboxFusion's /v1/ping) within this many seconds (servers loading a 14B checkpoint take minutes).
     c.rollout.ready_timeout_s = 900.0
     # A server that refuses connections, answers 5xx or runs one generation longer than
     # generate_timeout_s (0: no limit) leaves the rotation, and its trajectories resume on the others
@@ -224,8 +224,15 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.before_rl = False  # run this SFT first, then RL from its result (tiny runs)
 
     c.sandbox = ml_collections.ConfigDict()
+    # How tool calls reach the sandbox: "grpc" (this project's server, sandbox_service) or
+    # "sandbox_fusion" (SandboxFusion's HTTP API, e.g. a deployment verl already uses: targets are then
+    # its base URLs, "http://host:port"; it has no Verify, so verify_via must be "local", and it runs a
+    # fresh interpreter with an address-space limit per call, so preimports=False and
+    # memory_address_space=True, as in the release preset). With launch_local, our own server is
+    # started with its SandboxFusion-compatible HTTP endpoint and the calls go through that.
+    c.sandbox.api = "grpc"
     c.sandbox.launch_local = True  # start `python -m sandbox_service` on this host for the run (and stop it)
-    c.sandbox.targets = ()  # "host:port" of running sandbox servers (then launch_local=False)
+    c.sandbox.targets = ()  # running servers: gRPC "host:port" or SandboxFusion URLs (then launch_local=False)
     c.sandbox.workers = 32
     # The tool environment: "release" (spec §2.3, §3.2: code-judge under the release's agent loop: no
     # pre-imports, 384 MB of address space, streams cut at 1000 characters, one-line errors,

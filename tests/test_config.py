@@ -24,6 +24,8 @@ from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.train.builders import check_mesh
 
 ALL_CONFIGS = ("base", "stage1", "stage2", "stage3", "sft", "eval", "tiny")
+# The sandbox on SandboxFusion's HTTP API (what it needs beside the release preset: a local verifier).
+FUSION = {"sandbox.api": "sandbox_fusion", "sandbox.verify_via": "local"}
 
 
 def _load(name, overrides=None):
@@ -211,6 +213,17 @@ def test_tiny_config_describes_a_tiny_model():
     ({"sandbox.preset": "code-judge"}, r"config.sandbox.preset: must be one of \('release', 'rich'\)"),
     ({"sandbox.memory_mb": 8}, r"config.sandbox.memory_mb: must be an integer >= 16, got 8"),
     ({"sandbox.error_format": "short"}, r"config.sandbox.error_format: must be one of \('traceback', 'release'\)"),
+    ({"sandbox.api": "http"}, r"config.sandbox.api: must be one of \('grpc', 'sandbox_fusion'\), got 'http'"),
+    ({"sandbox.api": "sandbox_fusion"}, r"config.sandbox.verify_via: must be 'local' with "
+                                        r"sandbox.api='sandbox_fusion': SandboxFusion has no Verify"),
+    ({**FUSION, "sandbox.launch_local": False, "sandbox.targets": ("10.0.0.5:8080",)},
+     r"config.sandbox.targets: '10.0.0.5:8080' is not an http\(s\) base URL: sandbox.api='sandbox_fusion' takes "
+     r"SandboxFusion URLs"),
+    ({**FUSION, "sandbox.preimports": True}, r"config.sandbox.preimports: must be False with "
+                                             r"sandbox.api='sandbox_fusion', got True .*set sandbox.preimports=False"),
+    ({**FUSION, "sandbox.memory_address_space": False},
+     r"config.sandbox.memory_address_space: must be True with sandbox.api='sandbox_fusion', got False .*set "
+     r"sandbox.memory_address_space=True or sandbox.preset='release'"),
     ({"rollout.tool_call_parsing": "lax"}, r"config.rollout.tool_call_parsing: must be one of"),
     ({"data.train_files": ()}, r"config.data.train_files: RL needs training problems"),
     ({"data.train_files": ("/does/not/exist.jsonl",)},
@@ -224,6 +237,15 @@ def test_invalid_values_are_rejected_naming_the_field(overrides, message, inputs
     with pytest.raises(ConfigError, match=message) as info:
         validate(_runnable("stage1", inputs, overrides))
     assert isinstance(info.value, UserError) and len(info.value.problems) == 1, info.value.problems
+
+
+def test_a_sandbox_fusion_deployment_is_a_valid_sandbox(inputs):
+    """SandboxFusion base URLs with the release preset and a local verifier; or our own server's HTTP
+    endpoint (launch_local)."""
+    config = validate(_runnable("stage1", inputs, {**FUSION, "sandbox.launch_local": False,
+                                                   "sandbox.targets": ("http://10.0.0.5:8080", "https://sf.internal")}))
+    assert config.sandbox.api == "sandbox_fusion"
+    validate(_runnable("stage1", inputs, FUSION))
 
 
 def test_every_problem_is_reported_at_once_and_dependent_rules_are_skipped(inputs):

@@ -55,6 +55,7 @@ from rstar_jax.train.weight_sync import SYNC_METHODS, SYNC_MODES
 
 T = TypeVar("T")
 
+SANDBOX_APIS = ("grpc", "sandbox_fusion")  # config.sandbox.api
 REPO_CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = REPO_CONFIGS / "tiny.py"
 BASE_CONFIG = REPO_CONFIGS / "base.py"
@@ -563,11 +564,28 @@ def _check_values(check: Checker) -> None:
 
     # Sandbox, checkpoints, evaluation, filter_hard.
     s = config.sandbox
+    fusion = check.enum("sandbox.api", SANDBOX_APIS) and s.api == "sandbox_fusion"
     targets = check.strings("sandbox.targets")
+    bad = [t for t in targets if fusion and not t.startswith(("http://", "https://"))]
+    if bad:
+        check.fail("sandbox.targets", f"{bad[0]!r} is not an http(s) base URL: sandbox.api='sandbox_fusion' takes "
+                                      "SandboxFusion URLs ('http://host:port')")
+        targets = ()
     check.positive_int("sandbox.workers")
     check.range("sandbox.verify_timeout_s", 0.0, None, low_open=True)
-    check.build(lambda: ToolEnv.from_config(config))  # sandbox.preset and the fields that override it
-    check.enum("sandbox.verify_via", SCORER_MODES)
+    env = check.build(lambda: ToolEnv.from_config(config))  # sandbox.preset and the fields that override it
+    if check.enum("sandbox.verify_via", SCORER_MODES) and fusion:
+        check.require(s.verify_via == "local", "sandbox.verify_via",
+                      "must be 'local' with sandbox.api='sandbox_fusion': SandboxFusion has no Verify")
+    if env is not None and fusion:  # what a SandboxFusion server cannot do (sandbox_service.fusion_client)
+        check.require(not env.preimports, "sandbox.preimports",
+                      f"must be False with sandbox.api='sandbox_fusion', got True (preset {env.preset!r}): "
+                      "SandboxFusion starts a fresh interpreter per call, nothing pre-imported; set "
+                      "sandbox.preimports=False or sandbox.preset='release'")
+        check.require(env.memory_address_space, "sandbox.memory_address_space",
+                      f"must be True with sandbox.api='sandbox_fusion', got False (preset {env.preset!r}): "
+                      "SandboxFusion's memory_limit_MB bounds the address space, not resident memory; set "
+                      "sandbox.memory_address_space=True or sandbox.preset='release'")
     check.require(not (s.launch_local and targets), "sandbox.launch_local",
                   "set it to False when sandbox.targets lists running servers")
     if config.mode in ("rl", "eval") and check.ok("sandbox.targets"):

@@ -7,7 +7,7 @@ here, so a config field is read in one place and the production path is the one 
     engine = make_engine(config, model, mesh)          # always on the policy's mesh
     with sandbox(config) as targets:                   # a local sandbox server, or the configured ones
         async with rollout_resources(config, targets, engine=engine) as resources:
-            ...                                        # sandbox client, scorer, generators, scheduler
+            ...                                        # tool executor, scorer, generators, scheduler
 
 The settings dataclasses read their own sections (`LoopConfig.from_config`, `RocConfig.from_config`,
 `LossConfig.from_config`, `OptimizerConfig.from_config`, `BatchConfig.from_config`,
@@ -50,8 +50,9 @@ from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.parallel import MESH_AXES, create_sharded_model, make_mesh, multihost, shard_model
 from rstar_jax.rollout.engine import JaxEngine
 from rstar_jax.rollout.local_server import LocalServer
+from rstar_jax.rollout.loop import ToolExecutor
 from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler
-from rstar_jax.rollout.tool_env import ToolEnv
+from rstar_jax.rollout.tool_env import SANDBOX_OPTION_FIELDS, ToolEnv
 from rstar_jax.rollout.sglang import SGLangGenerator
 from rstar_jax.train.checkpoint import Checkpointer, CheckpointError, PolicySource, stored_config
 from rstar_jax.train.kv_pool import CONFIG_NAMES, kv_pool_tokens
@@ -60,6 +61,7 @@ from rstar_jax.train.rl_batch import row_length_for
 from rstar_jax.train.sft import SftBatches, SftSkips, sft_sequences
 from rstar_jax.train.weight_sync import DiskSync, DistributedSync, EngineSync, WeightSync
 from sandbox_service.client import SandboxClient
+from sandbox_service.fusion_client import SandboxFusionExecutor
 from sandbox_service.launcher import LocalSandbox
 
 # Prompt-length buckets the engine compiles prefill for (plus its context length).
@@ -376,15 +378,17 @@ def checkpointer(config, model: Qwen3, tokenizer: Tokenizer) -> Checkpointer:
 def sandbox(config) -> Iterator[list[str]]:
     """The sandbox targets for the run: a local server started here and stopped on exit
     (`sandbox.launch_local`; its default limits are the tool environment's, which every call also
-    sends), else `sandbox.targets`."""
+    sends; with sandbox.api="sandbox_fusion" its SandboxFusion HTTP endpoint's URL), else
+    `sandbox.targets`."""
     s = config.sandbox
     if not s.launch_local:
         yield list(s.targets)
         return
     env = ToolEnv.from_config(config)
+    fusion = s.api == "sandbox_fusion"
     with LocalSandbox(workers=s.workers, memory_mb=env.memory_mb, timeout_s=env.timeout_s,
-                      verify_timeout_s=s.verify_timeout_s) as local:
-        yield [local.target]
+                      verify_timeout_s=s.verify_timeout_s, http_port=0 if fusion else None) as local:
+        yield [local.http_url if fusion else local.target]
 
 
 @contextlib.contextmanager
@@ -420,7 +424,9 @@ def local_servers(config, model: Qwen3) -> Iterator[list[str]]:
 class RolloutResources:
     """What the rollout loop runs against; `rollout_resources` opens and closes it."""
 
-    client: SandboxClient  # executes tool calls
+    # Executes tool calls: a SandboxClient (sandbox.api="grpc"; it also has `verify` and `info`) or a
+    # SandboxFusionExecutor ("sandbox_fusion"; `ping`).
+    client: ToolExecutor
     scorer: object  # async (text, gold, truncated=...) -> reward
     engine: JaxEngine | None = None  # the in-process generator, or
     generators: list[SGLangGenerator] = dataclasses.field(default_factory=list)  # servers, placed by
@@ -431,12 +437,24 @@ class RolloutResources:
 @contextlib.asynccontextmanager
 async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine | None = None,
                             urls: Sequence[str] = ()) -> AsyncIterator[RolloutResources]:
-    """The sandbox client (its per-call defaults: the tool environment, `ToolEnv.from_config`), the
-    scorer (`sandbox.verify_via`, one timeout `sandbox.verify_timeout_s`) and the generators: `engine`,
-    or SGLang clients for `urls` behind `rollout.scheduler`. Everything belongs to the running event
+    """The tool executor for `targets` (`sandbox.api`: a gRPC SandboxClient or a SandboxFusion
+    executor; its per-call defaults: the tool environment, `ToolEnv.from_config`), the scorer
+    (`sandbox.verify_via`, one timeout `sandbox.verify_timeout_s`) and the generators: `engine`, or
+    SGLang clients for `urls` behind `rollout.scheduler`. Everything belongs to the running event
     loop and is closed on exit."""
     s = config.sandbox
-    client = SandboxClient(list(targets), **ToolEnv.from_config(config).sandbox_options())
+    options = ToolEnv.from_config(config).sandbox_options()
+    if s.api == "sandbox_fusion":
+        if s.verify_via != "local":
+            raise ConfigError("config.sandbox.verify_via: must be 'local' with sandbox.api='sandbox_fusion': "
+                              "SandboxFusion has no Verify")
+        try:
+            client = SandboxFusionExecutor(list(targets), **options)
+        except ValueError as e:  # an option SandboxFusion cannot honour (`validate` refuses it first)
+            option = next((o for o in SANDBOX_OPTION_FIELDS if str(e).startswith(o)), None)
+            raise ConfigError(f"config.{SANDBOX_OPTION_FIELDS.get(option, 'sandbox.targets')}: {e}") from None
+    else:
+        client = SandboxClient(list(targets), **options)
     scorer = make_scorer(s.verify_via, timeout_s=s.verify_timeout_s, sandbox_client=client)
     resources = RolloutResources(client=client, scorer=scorer, engine=engine)
     try:
@@ -480,19 +498,22 @@ def generation_share(generators: Sequence) -> list:
 async def wait_until_ready(resources: RolloutResources, timeout_s: float, interval_s: float = 1.0, *,
                            generators: Sequence | None = None) -> None:
     """Waits until every generator server (`generators`, default all of `resources`') completes a
-    generation (`/health_generate`) and every sandbox server answers `Info`: a 14B server may load
-    for minutes, and the first weight sync and step must not fail on it. A ConfigError names the
-    endpoints still not ready after `timeout_s`."""
+    generation (`/health_generate`) and every sandbox server answers `Info` (SandboxFusion: `/v1/ping`):
+    a 14B server may load for minutes, and the first weight sync and step must not fail on it. A
+    ConfigError names the endpoints still not ready after `timeout_s`."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
 
     async def sandbox_ready(target: str) -> bool:
         try:
+            if isinstance(resources.client, SandboxFusionExecutor):
+                return await resources.client.ping(target)
             await resources.client.info(target)
             return True
         except Exception:  # noqa: BLE001  (any failure to answer: not ready yet)
             return False
 
+    sandbox_probe = "/v1/ping" if isinstance(resources.client, SandboxFusionExecutor) else "Info"
     generators = resources.generators if generators is None else generators
     waiting = {**{g.base_url: g.health for g in generators},
                **{t: functools.partial(sandbox_ready, t) for t in resources.client.targets}}
@@ -503,7 +524,7 @@ async def wait_until_ready(resources: RolloutResources, timeout_s: float, interv
             return
         if loop.time() >= deadline:
             raise ConfigError(f"config.rollout.ready_timeout_s: not ready after {timeout_s:g} s: {', '.join(waiting)} "
-                              f"(generators must answer /health_generate, sandboxes Info)")
+                              f"(generators must answer /health_generate, sandboxes {sandbox_probe})")
         await asyncio.sleep(min(interval_s, max(0.0, deadline - loop.time())))
 
 
