@@ -23,7 +23,7 @@ import itertools
 import logging
 import random
 import time
-from typing import AsyncIterator, Iterable, Mapping, Sequence
+from typing import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
 import grpc
 
@@ -150,6 +150,22 @@ def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", errors="replace")
 
 
+def pick_endpoint(endpoints: list, turn: Iterator[int], *, round_robin: bool = False):
+    """The endpoint with the fewest calls in flight (`in_flight`), ties taken in turn, among those
+    not marked down (`down_until` passed; all of them when every one is down)."""
+    now = time.monotonic()
+    up = [e for e in endpoints if e.down_until <= now] or endpoints
+    start = next(turn) % len(up)
+    if round_robin:
+        return up[start]
+    return min(up[start:] + up[:start], key=lambda e: e.in_flight)
+
+
+def backoff_delay(attempt: int, base_s: float, cap_s: float) -> float:
+    """Exponential backoff with jitter (half to all of base * 2^attempt, capped)."""
+    return min(cap_s, base_s * (2 ** attempt)) * (0.5 + random.random() / 2)
+
+
 class SandboxClient:
     def __init__(self, targets: str | Sequence[str], *, policy: str = "least_loaded", timeout_s: float | None = None,
                  memory_mb: int | None = None, stream_cap_chars: int | None = None, error_format: str | None = None,
@@ -221,15 +237,10 @@ class SandboxClient:
 
     # -- endpoint choice and retries -----------------------------------------------------------------
     def _pick(self) -> _Endpoint:
-        now = time.monotonic()
-        up = [e for e in self._endpoints if e.down_until <= now] or self._endpoints
-        if self.policy == "round_robin":
-            return up[next(self._rr) % len(up)]
-        start = next(self._rr) % len(up)  # rotate ties
-        return min(up[start:] + up[:start], key=lambda e: e.in_flight)
+        return pick_endpoint(self._endpoints, self._rr, round_robin=self.policy == "round_robin")
 
     def _backoff(self, attempt: int) -> float:
-        return min(self.max_backoff_s, self.backoff_s * (2 ** attempt)) * (0.5 + random.random() / 2)
+        return backoff_delay(attempt, self.backoff_s, self.max_backoff_s)
 
     def _pb_request(self, req: ExecRequest) -> pb2.ExecuteRequest:
         o = {name: value if value is not None else getattr(self, name) for name, value in req.options().items()}

@@ -41,7 +41,6 @@ import json
 import logging
 import math
 import pathlib
-import random
 import re
 import signal
 import time
@@ -51,7 +50,7 @@ from typing import Sequence
 import aiohttp
 
 from sandbox_service import harness, status
-from sandbox_service.client import ExecResult
+from sandbox_service.client import ExecResult, backoff_delay, pick_endpoint
 from sandbox_service.harness import ERROR_FORMATS
 from sandbox_service.server import MAX_STREAM_CAP_CHARS
 from sandbox_service.workers import TRUNCATION_MARKER
@@ -276,13 +275,10 @@ class SandboxFusionExecutor:
         return _failure(status.SANDBOX_ERROR, message, self.max_retries + 1, target)
 
     def _pick(self) -> _Endpoint:
-        now = time.monotonic()
-        up = [e for e in self._endpoints if e.down_until <= now] or self._endpoints
-        start = next(self._rr) % len(up)  # ties go round robin
-        return min(up[start:] + up[:start], key=lambda e: e.in_flight)
+        return pick_endpoint(self._endpoints, self._rr)
 
     def _backoff(self, attempt: int) -> float:
-        return min(self.max_backoff_s, self.backoff_s * (2 ** attempt)) * (0.5 + random.random() / 2)
+        return backoff_delay(attempt, self.backoff_s, self.max_backoff_s)
 
     async def _post(self, ep: _Endpoint, body: bytes) -> dict:
         try:
