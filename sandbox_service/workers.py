@@ -242,6 +242,8 @@ class Zygote:
             for fd in fds:
                 os.close(fd)
             self.report.warnings.append(f"slot mount namespaces not prepared ({e}); a mount namespace per call instead")
+            for slot in self.slots:
+                slot.scratch = None  # calls then get their own scratch, which nothing here cleans or reads
             return
         for slot, fd in zip(self.slots, fds):
             slot.ns_fd = fd
@@ -477,9 +479,10 @@ class Zygote:
             scratch_bytes=a.scratch_mb << 20)
 
     def _warm(self, slot: Slot) -> Warm:
-        """Forks the slot's next call process ahead of its call: it isolates itself (cgroups, mount
-        namespace, uid, seccomp) and waits for its request, so that a call pays only the write of
-        its request, its run and the collection."""
+        """Forks the slot's next call process ahead of its call: it joins the slot's cgroups and mount
+        namespace, takes its pipes and working directory, and waits for its request (then the call's
+        rlimits, the slot's uid and seccomp), so that the fork and most of the isolation are off the
+        call's path."""
         request_r, request_w = os.pipe()
         pipes = {name: os.pipe() for name in ("stdout", "stderr", "meta")}
         scratch_dir = None
