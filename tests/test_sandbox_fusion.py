@@ -373,6 +373,10 @@ def test_sandbox_fusions_client_runs_on_our_endpoint(server):
     r = run(Request(code=code, language="python", files={"data/in.txt": b64(b"6 7")},
                     fetch_files=["out.txt", "never_written.txt"]), endpoint=url)
     assert r.status == "Success" and r.files == {"out.txt": b64(b"42")}  # a missing file is left out
+    # A fetched path is read inside the call's scratch only: a symlink out of it is not followed.
+    code = "import os\nos.symlink('/etc/passwd', 'p')\nos.mkdir('d')\nos.symlink('/etc', 'e')\nopen('d/f', 'w').write('k')"
+    r = run(Request(code=code, language="python", fetch_files=["p", "e/passwd", "d/f", "d"]), endpoint=url)
+    assert r.status == "Success" and r.files == {"d/f": b64(b"k")}, r.files
     # memory_limit_MB bounds the address space, as SandboxFusion's RLIMIT_AS does.
     body = {"code": "x = bytearray(300 << 20)", "language": "python", "memory_limit_MB": 128}
     reply = requests.post(f"{url}/run_code", json=body, timeout=30).json()
