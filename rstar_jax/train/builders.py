@@ -52,7 +52,7 @@ from rstar_jax.rollout.engine import JaxEngine
 from rstar_jax.rollout.local_server import LocalServer
 from rstar_jax.rollout.loop import ToolExecutor
 from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler
-from rstar_jax.rollout.tool_env import SANDBOX_OPTION_FIELDS, ToolEnv
+from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.rollout.sglang import SGLangGenerator
 from rstar_jax.train.checkpoint import Checkpointer, CheckpointError, PolicySource, stored_config
 from rstar_jax.train.kv_pool import CONFIG_NAMES, kv_pool_tokens
@@ -444,15 +444,8 @@ async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine
     loop and is closed on exit."""
     s = config.sandbox
     options = ToolEnv.from_config(config).sandbox_options()
-    if s.api == "sandbox_fusion":
-        if s.verify_via != "local":
-            raise ConfigError("config.sandbox.verify_via: must be 'local' with sandbox.api='sandbox_fusion': "
-                              "SandboxFusion has no Verify")
-        try:
-            client = SandboxFusionExecutor(list(targets), **options)
-        except ValueError as e:  # an option SandboxFusion cannot honour (`validate` refuses it first)
-            option = next((o for o in SANDBOX_OPTION_FIELDS if str(e).startswith(o)), None)
-            raise ConfigError(f"config.{SANDBOX_OPTION_FIELDS.get(option, 'sandbox.targets')}: {e}") from None
+    if s.api == "sandbox_fusion":  # validate() has refused verify_via="sandbox" and what it cannot honour
+        client = SandboxFusionExecutor(list(targets), **options)
     else:
         client = SandboxClient(list(targets), **options)
     scorer = make_scorer(s.verify_via, timeout_s=s.verify_timeout_s, sandbox_client=client)
