@@ -52,8 +52,7 @@ import aiohttp
 from sandbox_service import harness, status
 from sandbox_service.client import ExecResult, backoff_delay, pick_endpoint
 from sandbox_service.harness import ERROR_FORMATS
-from sandbox_service.server import MAX_STREAM_CAP_CHARS
-from sandbox_service.workers import TRUNCATION_MARKER
+from sandbox_service.status import MAX_STREAM_CAP_CHARS, TRUNCATION_MARKER
 
 log = logging.getLogger("sandbox_service.fusion_client")
 

@@ -35,6 +35,7 @@ from sandbox_service import isolation, status
 from sandbox_service._pb import pb2, pb2_grpc
 from sandbox_service.framing import encode, read_frame
 from sandbox_service.harness import ERROR_FORMATS
+from sandbox_service.status import MAX_STREAM_CAP_CHARS
 
 log = logging.getLogger("sandbox_service")
 
@@ -42,7 +43,6 @@ VERSION = "1.1"  # 1.1: ExecuteRequest.stream_cap_chars, error_format, cold_impo
 _SCI_NAMES = re.compile(r"\b(?:numpy|sympy|scipy|mpmath|networkx|math_verify)\b")
 _LEVEL_ORDER = {"minimal": 0, "partial": 1, "full": 2}
 UID_STRIDE = 4096  # uids reserved per server when uid_base is derived from the pid
-MAX_STREAM_CAP_CHARS = 1 << 20  # the worker holds up to 4 bytes per character of each stream
 HANG_SLACK_S = 10.0  # a worker that has not answered this long after a call's deadline is hung
 
 
@@ -429,9 +429,6 @@ class SandboxServicer(pb2_grpc.SandboxServicer):
         return pb2.ExecuteResult(request_id=request_id, status=status.REJECTED, exit_code=-1, message=message,
                                  retryable=retryable)
 
-    def _full_message(self) -> str:
-        return self.pool.full_message()
-
     async def _execute_admitted(self, req) -> pb2.ExecuteResult:
         blobs, timeout, memory, flavour, options = self._exec_args(req)
         header, out = await self.pool.run("exec", flavour, blobs, timeout, memory, options)
@@ -444,7 +441,7 @@ class SandboxServicer(pb2_grpc.SandboxServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not self.pool.try_admit():
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._full_message())
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.pool.full_message())
         # try_admit counted this call; Pool.run releases it
         return await self._execute_admitted(request)
 
@@ -457,7 +454,7 @@ class SandboxServicer(pb2_grpc.SandboxServicer):
                 yield self._rejected(req.request_id, f"invalid request: {e}", retryable=False)
                 continue
             if not self.pool.try_admit():
-                yield self._rejected(req.request_id, self._full_message(), retryable=True)
+                yield self._rejected(req.request_id, self.pool.full_message(), retryable=True)
                 continue
             tasks.append(asyncio.ensure_future(self._execute_admitted(req)))
         try:
@@ -479,7 +476,7 @@ class SandboxServicer(pb2_grpc.SandboxServicer):
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         if not self.pool.try_admit():
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self._full_message())
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, self.pool.full_message())
         self.pool.counters["verify_calls"] += 1
         header, blobs = await self.pool.run("verify", "sci", [text, gold], timeout, memory)
         verdict = header.get("verify")

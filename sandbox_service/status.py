@@ -12,3 +12,7 @@ REJECTED = "rejected"  # not admitted (queue full) or an invalid request; never 
 SANDBOX_ERROR = "sandbox_error"  # the service failed (worker lost twice, internal error); retryable
 
 ALL = (OK, RUNTIME_ERROR, TIMEOUT, MEMORY_LIMIT, OUTPUT_LIMIT, KILLED_BY_SIGNAL, REJECTED, SANDBOX_ERROR)
+
+# How output limits show, for the server, its workers and the clients alike.
+MAX_STREAM_CAP_CHARS = 1 << 20  # a call's character cap per stream (the worker holds up to 4 bytes per character)
+TRUNCATION_MARKER = "\n[... output truncated: exceeded {} bytes]\n"  # appended where the byte cap cut a stream

@@ -37,6 +37,7 @@ import tempfile
 import time
 
 from sandbox_service import harness, isolation, status
+from sandbox_service.status import TRUNCATION_MARKER
 from sandbox_service.framing import FrameBuffer, decode_body, encode
 
 log = logging.getLogger("sandbox_service.worker")
@@ -66,7 +67,6 @@ CHILD_ENV = {
 GRACE_AFTER_EXIT_S = 0.1  # output still arriving from the main process after it exited
 STREAM_CLOSE_AFTER_KILL_S = 1.0  # then stop waiting for EOF from a pipe holder that survived the kill
 SETUP_FAILED_TAG = b"S"
-TRUNCATION_MARKER = "\n[... output truncated: exceeded {} bytes]\n"
 _F_SETPIPE_SZ = 1031
 _READ_CHUNK = 1 << 16
 
@@ -528,7 +528,7 @@ class Zygote:
         call.start = time.monotonic()
         call.deadline = call.start + call.timeout_s
         header = {"kind": call.kind, "script": call.script, "error_format": call.error_format, "files": call.files,
-                  "limits": dataclasses.asdict(limits)}
+                  "limits": vars(limits)}
         call.request, call.request_fd = memoryview(encode(header, call.payload)), warm.request_w
         self._write_request(call)
         if call.request_fd != -1:

@@ -28,7 +28,7 @@ from rstar_jax.agent.tool_calls import CALL_PARSING, OBSERVATION_STYLES
 from rstar_jax.errors import ConfigError, config_value, from_fields
 
 ERROR_FORMATS = ("traceback", "release")  # sandbox_service.harness
-MAX_STREAM_CAP_CHARS = 1 << 20  # the sandbox server's bound (sandbox_service.server)
+MAX_STREAM_CAP_CHARS = 1 << 20  # the sandbox's bound (sandbox_service.status)
 
 # ToolEnv field -> the config field that sets it (None there: the preset's value).
 FIELDS = {
