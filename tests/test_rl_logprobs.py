@@ -55,10 +55,16 @@ def test_shape_errors_name_the_argument(inputs):
         token_logprobs(hidden, w, targets[:, :5])
 
 
-def test_memory_is_a_tenth_of_naive_at_qwen3_vocab_and_8k():
-    """Compiled temporary memory of log-probs + loss gradient at V=151,936, T=8,192 (no execution)."""
-    b, t, d, v = 1, 8192, 128, 151_936
-    hidden = jax.ShapeDtypeStruct((b, t, d), jnp.float32)
+@pytest.mark.parametrize("d, dtype, share", [(128, jnp.float32, 1 / 10), (2048, jnp.bfloat16, 0.3)])
+def test_memory_is_a_fraction_of_naive_at_qwen3_vocab_and_8k(d, dtype, share):
+    """Compiled temporary memory of log-probs + loss gradient at V=151,936, T=8,192 (no execution).
+
+    At Qwen3-1.7B's width (bf16 hidden, fp32 unembedding) the CPU backend also holds a bf16 copy of
+    the unembedding, its transpose and one chunk's [D, V] gradient product before it is accumulated:
+    under 30% here (autodiff of the checkpointed scan needed 36%).
+    """
+    b, t, v = 1, 8192, 151_936
+    hidden = jax.ShapeDtypeStruct((b, t, d), dtype)
     w = jax.ShapeDtypeStruct((d, v), jnp.float32)
     targets = jax.ShapeDtypeStruct((b, t), jnp.int32)
 
@@ -71,4 +77,4 @@ def test_memory_is_a_tenth_of_naive_at_qwen3_vocab_and_8k():
     mem_n = naive.lower(hidden, w, targets).compile().memory_analysis().temp_size_in_bytes
     full_logits = b * t * v * 4
     assert mem_n >= full_logits  # the naive path really holds [B, T, V] logits
-    assert mem_c <= mem_n / 10, (mem_c, mem_n)
+    assert mem_c <= mem_n * share, (mem_c, mem_n)

@@ -2,9 +2,12 @@
 
 With Qwen3's 151,936-token vocabulary an 8K-token sequence has 5 GiB of fp32 logits per row, and
 autodiff of a naive log-softmax keeps several such buffers alive for the backward pass. Here the
-sequence is cut into chunks and a rematerialised `lax.scan` computes one chunk's logits at a time in
-the forward pass and recomputes them in the backward pass, so at most a chunk's [B, C, V] logits
-ever exist.
+sequence is cut into chunks and a `lax.scan` computes one chunk's logits at a time. The gradient is
+written by hand (`jax.custom_vjp`): the forward pass keeps only each token's log-normaliser (and
+entropy), and the backward pass recomputes one chunk's logits, turns them into that chunk's logit
+gradient in place, and accumulates the unembedding's gradient in fp32 across chunks. So at most a
+chunk's [B, C, V] logits and their gradient ever exist, and nothing of vocabulary size is kept
+between the two passes.
 """
 
 from __future__ import annotations
@@ -15,17 +18,69 @@ import jax
 import jax.numpy as jnp
 
 
+def _chunk_logits(hidden, unembedding, temperature):
+    return jnp.einsum("bcd,dv->bcv", hidden, unembedding.astype(hidden.dtype),
+                      preferred_element_type=jnp.float32) / temperature
+
+
 def _chunk_stats(hidden, unembedding, targets, temperature, with_entropy: bool):
-    logits = jnp.einsum("bcd,dv->bcv", hidden, unembedding.astype(hidden.dtype),
-                        preferred_element_type=jnp.float32) / temperature
+    """(logprobs, log-normaliser, entropy or zeros) of one chunk, all [B, C] fp32."""
+    logits = _chunk_logits(hidden, unembedding, temperature)
     lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    logprobs = target_logits - lse
+    logprobs = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - lse
     if not with_entropy:
-        return logprobs, jnp.zeros_like(logprobs)
+        return logprobs, lse, jnp.zeros_like(lse)
     probs = jnp.exp(logits - lse[..., None])
-    entropy = lse - jnp.sum(probs * logits, axis=-1)
+    return logprobs, lse, lse - jnp.sum(probs * logits, axis=-1)
+
+
+def _scan_stats(hidden_chunks, unembedding, target_chunks, temperature, with_entropy):
+    def body(_, xs):
+        h, targets = xs
+        return None, _chunk_stats(h, unembedding, targets, temperature, with_entropy)
+
+    _, stats = jax.lax.scan(body, None, (hidden_chunks, target_chunks))
+    return stats
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _chunked_head(hidden_chunks, unembedding, target_chunks, temperature, with_entropy):
+    logprobs, _, entropy = _scan_stats(hidden_chunks, unembedding, target_chunks, temperature, with_entropy)
     return logprobs, entropy
+
+
+def _chunked_head_fwd(hidden_chunks, unembedding, target_chunks, temperature, with_entropy):
+    logprobs, lse, entropy = _scan_stats(hidden_chunks, unembedding, target_chunks, temperature, with_entropy)
+    return (logprobs, entropy), (hidden_chunks, unembedding, target_chunks, temperature, lse, entropy)
+
+
+def _chunked_head_bwd(with_entropy, residuals, cotangents):
+    hidden_chunks, unembedding, target_chunks, temperature, lse_chunks, entropy_chunks = residuals
+    g_logprobs, g_entropy = cotangents
+    compute = unembedding.astype(hidden_chunks.dtype)
+
+    def body(g_unembedding, xs):
+        h, targets, lse, entropy, g_lp, g_ent = xs
+        z = _chunk_logits(h, unembedding, temperature)  # z = logits / T, [B, C, V]
+        log_p = z - lse[..., None]
+        p = jnp.exp(log_p)
+        hit = jnp.arange(z.shape[-1], dtype=targets.dtype) == targets[..., None]
+        # d logprob / dz = onehot - p;  d entropy / dz = -p (log p + H); both scaled by 1/T for d/d logits.
+        g_z = g_lp[..., None] * (hit - p)
+        if with_entropy:
+            g_z = g_z - g_ent[..., None] * p * (log_p + entropy[..., None])
+        g_logits = (g_z / temperature).astype(h.dtype)
+        g_h = jnp.einsum("bcv,dv->bcd", g_logits, compute, preferred_element_type=jnp.float32).astype(h.dtype)
+        g_unembedding = g_unembedding + jnp.einsum("bcd,bcv->dv", h, g_logits, preferred_element_type=jnp.float32)
+        return g_unembedding, g_h
+
+    g_unembedding, g_hidden = jax.lax.scan(
+        body, jnp.zeros(unembedding.shape, jnp.float32),
+        (hidden_chunks, target_chunks, lse_chunks, entropy_chunks, g_logprobs, g_entropy))
+    return g_hidden, g_unembedding.astype(unembedding.dtype), None, jnp.zeros_like(temperature)
+
+
+_chunked_head.defvjp(_chunked_head_fwd, _chunked_head_bwd)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "return_entropy"))
@@ -38,7 +93,7 @@ def token_logprobs(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array
       unembedding: [D, V] output projection.
       targets: [B, T] int token ids to score.
       chunk_size: sequence chunk length (static); T need not be a multiple of it.
-      temperature: logits are divided by it (traced: changing it does not recompile).
+      temperature: logits are divided by it (traced: changing it does not recompile; no gradient).
       return_entropy: also return the entropy of each position's distribution.
 
     Returns:
@@ -59,13 +114,7 @@ def token_logprobs(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array
     hidden_chunks = hidden.reshape(b, n_chunks, chunk, d).swapaxes(0, 1)
     target_chunks = targets.reshape(b, n_chunks, chunk).swapaxes(0, 1)
     temperature = jnp.asarray(temperature, jnp.float32)
-
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def body(_, xs):
-        h, tg = xs
-        return None, _chunk_stats(h, unembedding, tg, temperature, return_entropy)
-
-    _, (logprobs, entropy) = jax.lax.scan(body, None, (hidden_chunks, target_chunks))
+    logprobs, entropy = _chunked_head(hidden_chunks, unembedding, target_chunks, temperature, return_entropy)
     logprobs = logprobs.swapaxes(0, 1).reshape(b, n_chunks * chunk)[:, :t]
     if return_entropy:
         return logprobs, entropy.swapaxes(0, 1).reshape(b, n_chunks * chunk)[:, :t]
