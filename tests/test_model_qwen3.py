@@ -236,3 +236,36 @@ def test_cudnn_attention_matches_xla_in_bf16():
         out_x = np.asarray(xla_model(ids, positions, segments), np.float32)
         valid = np.asarray(segments > 0)
         np.testing.assert_allclose(out_c[valid], out_x[valid], atol=5e-2, rtol=5e-2)
+
+
+def test_profiles_name_the_model_parts():
+    """Named scopes reach the ops' names, which profilers show, through remat, scan and the log-prob
+    head's hand-written gradient. (The lowered module's locations: a compiled executable may come
+    from the persistent cache, whose key ignores names.)"""
+    import re
+
+    from rstar_jax.rl.logprobs import token_logprobs
+
+    model = Qwen3(Qwen3Config.tiny(remat_policy="full"), rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    ids = _ids((2, 16), 3)
+
+    def loss(state, ids):
+        m = nnx.merge(graphdef, state)
+        return token_logprobs(m.hidden_states(ids), m.unembedding(), ids, chunk_size=8).sum()
+
+    def op_names(lowered) -> str:
+        return "\n".join(re.findall(r'loc\("([^"]+)"', lowered.as_text(debug_info=True)))
+
+    names = op_names(jax.jit(jax.grad(loss)).lower(state, ids))
+    for scope in ("embed", "decoder_layer/qkv", "decoder_layer/attention", "decoder_layer/o_proj",
+                  "decoder_layer/mlp", "final_norm", "logprob_head"):
+        assert re.search(rf"(^|/|\(){re.escape(scope)}(/|\)|$)", names, re.M), scope
+
+    cache = model.init_paged_cache(num_pages=4, page_size=8)
+    table = jnp.arange(4, dtype=jnp.int32)[None]
+    positions = jnp.arange(16, dtype=jnp.int32)[None]
+    decode = jax.jit(lambda ids: model.forward_with_paged_cache(ids, positions, cache, table)[0])
+    names = op_names(decode.lower(ids[:1]))
+    for scope in ("decoder_layer/kv_write", "decoder_layer/kv_gather", "decoder_layer/attention", "unembed"):
+        assert re.search(rf"(^|/|\(){re.escape(scope)}(/|\)|$)", names, re.M), scope

@@ -392,11 +392,13 @@ class Qwen3(nnx.Module):
             return self.embed[...].T
         return self.lm_head[...]
 
+    @jax.named_scope("embed")
     def _embed(self, input_ids):
         dt = _DTYPES[self.config.dtype]
         h = jnp.take(self.embed[...], input_ids, axis=0).astype(dt)
         return self._constrain(h, "act_btd")
 
+    @jax.named_scope("qkv")
     def _qkv(self, p, x, positions):
         c = self.config
         dt = x.dtype
@@ -410,13 +412,15 @@ class Qwen3(nnx.Module):
     def _finish_layer(self, p, h, attn):
         c = self.config
         dt = h.dtype
-        h = h + jnp.einsum("bthk,hkd->btd", attn, p["o_proj"].astype(dt))
-        h = self._constrain(h, "act_btd")
-        x = rms_norm(h, p["post_attn_norm"], c.rms_norm_eps)
-        gate = jnp.einsum("btd,df->btf", x, p["gate_proj"].astype(dt))
-        up = jnp.einsum("btd,df->btf", x, p["up_proj"].astype(dt))
-        mlp = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down_proj"].astype(dt))
-        return self._constrain(h + mlp, "act_btd")
+        with jax.named_scope("o_proj"):
+            h = h + jnp.einsum("bthk,hkd->btd", attn, p["o_proj"].astype(dt))
+            h = self._constrain(h, "act_btd")
+        with jax.named_scope("mlp"):
+            x = rms_norm(h, p["post_attn_norm"], c.rms_norm_eps)
+            gate = jnp.einsum("btd,df->btf", x, p["gate_proj"].astype(dt))
+            up = jnp.einsum("btd,df->btf", x, p["up_proj"].astype(dt))
+            mlp = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down_proj"].astype(dt))
+            return self._constrain(h + mlp, "act_btd")
 
     # -- full forward ---------------------------------------------------------------------------
     def hidden_states(self, input_ids, positions=None, segment_ids=None) -> jax.Array:
@@ -431,21 +435,25 @@ class Qwen3(nnx.Module):
             if segment_ids is not None:
                 mask &= segment_ids[:, :, None] == segment_ids[:, None, :]
 
+        @jax.named_scope("decoder_layer")
         def layer(h, p):
             x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
             q, k, v = self._qkv(p, x, positions)
-            if c.attention_impl == "xla":
-                attn = xla_attention(q, k, v, mask)
-            else:
-                attn = cudnn_attention(q, k, v, segment_ids)
+            with jax.named_scope("attention"):
+                if c.attention_impl == "xla":
+                    attn = xla_attention(q, k, v, mask)
+                else:
+                    attn = cudnn_attention(q, k, v, segment_ids)
             return self._finish_layer(p, h, attn), None
 
         policy = REMAT_POLICIES[c.remat_policy]
         if c.remat_policy != "none":
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
         h, _ = jax.lax.scan(layer, h, self._layer_params())
-        return rms_norm(h, self.final_norm[...], c.rms_norm_eps)
+        with jax.named_scope("final_norm"):
+            return rms_norm(h, self.final_norm[...], c.rms_norm_eps)
 
+    @jax.named_scope("unembed")
     def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
         w = self.unembedding()
         return jnp.einsum("btd,dv->btv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
@@ -483,6 +491,7 @@ class Qwen3(nnx.Module):
         h = self._embed(input_ids)
         mask = jnp.arange(span)[None, None, :] <= positions[:, :, None]  # [B, T, span]
 
+        @jax.named_scope("decoder_layer")
         def layer(carry, xs):
             # The pools ride in the scan's carry and are updated where they lie: slicing them per
             # layer (scan xs/ys) would copy the whole cache every step.
@@ -490,12 +499,15 @@ class Qwen3(nnx.Module):
             p, index = xs
             x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
             q, k, v = self._qkv(p, x, positions)
-            k_pool = k_pool.at[index, write_page, offset].set(k.astype(k_pool.dtype), mode="drop")
-            v_pool = v_pool.at[index, write_page, offset].set(v.astype(v_pool.dtype), mode="drop")
-            # Unallocated entries are clipped onto a real page; the mask hides what they read.
-            k_seq = k_pool.at[index, page_table].get(mode="clip").reshape(b, span, *k_pool.shape[3:])
-            v_seq = v_pool.at[index, page_table].get(mode="clip").reshape(b, span, *v_pool.shape[3:])
-            attn = xla_attention(q, k_seq.astype(q.dtype), v_seq.astype(q.dtype), mask)
+            with jax.named_scope("kv_write"):
+                k_pool = k_pool.at[index, write_page, offset].set(k.astype(k_pool.dtype), mode="drop")
+                v_pool = v_pool.at[index, write_page, offset].set(v.astype(v_pool.dtype), mode="drop")
+            with jax.named_scope("kv_gather"):
+                # Unallocated entries are clipped onto a real page; the mask hides what they read.
+                k_seq = k_pool.at[index, page_table].get(mode="clip").reshape(b, span, *k_pool.shape[3:])
+                v_seq = v_pool.at[index, page_table].get(mode="clip").reshape(b, span, *v_pool.shape[3:])
+            with jax.named_scope("attention"):
+                attn = xla_attention(q, k_seq.astype(q.dtype), v_seq.astype(q.dtype), mask)
             return (self._finish_layer(p, h, attn), k_pool, v_pool), None
 
         layers = jnp.arange(c.num_layers, dtype=jnp.int32)

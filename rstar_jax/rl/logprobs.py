@@ -114,7 +114,8 @@ def token_logprobs(hidden: jax.Array, unembedding: jax.Array, targets: jax.Array
     hidden_chunks = hidden.reshape(b, n_chunks, chunk, d).swapaxes(0, 1)
     target_chunks = targets.reshape(b, n_chunks, chunk).swapaxes(0, 1)
     temperature = jnp.asarray(temperature, jnp.float32)
-    logprobs, entropy = _chunked_head(hidden_chunks, unembedding, target_chunks, temperature, return_entropy)
+    with jax.named_scope("logprob_head"):
+        logprobs, entropy = _chunked_head(hidden_chunks, unembedding, target_chunks, temperature, return_entropy)
     logprobs = logprobs.swapaxes(0, 1).reshape(b, n_chunks * chunk)[:, :t]
     if return_entropy:
         return logprobs, entropy.swapaxes(0, 1).reshape(b, n_chunks * chunk)[:, :t]

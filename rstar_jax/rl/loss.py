@@ -50,6 +50,7 @@ MAX_METRICS = ("ratio_max", "drift_max")
 MIN_METRICS = ("ratio_min",)
 
 
+@jax.named_scope("grpo_loss")
 def grpo_loss(logprobs, old_logprobs, advantages, loss_mask, *, clip_low=0.2, clip_high=0.28, dual_clip=None,
               log_ratio_clamp=20.0, ref_logprobs=None, kl_coef=0.0, entropy=None, entropy_coef=0.0,
               sampler_logprobs=None):
