@@ -101,8 +101,10 @@ def _measure(name: str, jitted, args, *, data) -> CompiledStep:
 
 def _abstract_model(config, mesh):
     """(graphdef, abstract state placed on `mesh`) of the config's model, and the abstract module."""
-    rules = builders.mesh_rules(config)
-    model_config = Qwen3Config.from_config(config)
+    return _abstract_model_for(Qwen3Config.from_config(config), mesh, builders.mesh_rules(config))
+
+
+def _abstract_model_for(model_config: Qwen3Config, mesh, rules):
     model = set_activation_shardings(nnx.eval_shape(lambda: Qwen3(model_config, rngs=nnx.Rngs(0))), mesh, rules)
     graphdef, state = nnx.split(model)
     return (graphdef, _abstract(state, state_shardings(state, mesh, rules))), model
@@ -110,12 +112,26 @@ def _abstract_model(config, mesh):
 
 def abstract_policy(config, mesh):
     """(graphdef, abstract state) of the model and of its optimizer, placed as the run places them."""
-    model_config = Qwen3Config.from_config(config)
-    tx = make_tx(OptimizerConfig.from_config(config))
+    return abstract_policy_for(Qwen3Config.from_config(config), OptimizerConfig.from_config(config), mesh,
+                               builders.mesh_rules(config))
+
+
+def abstract_policy_for(model_config: Qwen3Config, optimizer_config: OptimizerConfig, mesh, rules):
+    """`abstract_policy` without a recipe config: a model config, an optimizer config and rules."""
+    tx = make_tx(optimizer_config)
     optimizer = nnx.eval_shape(lambda: nnx.Optimizer(Qwen3(model_config, rngs=nnx.Rngs(0)), tx, wrt=nnx.Param))
     opt_def, opt_state = nnx.split(optimizer)
-    opt_abstract = _abstract(opt_state, state_shardings(opt_state, mesh, builders.mesh_rules(config)))
-    return _abstract_model(config, mesh)[0], (opt_def, opt_abstract)
+    opt_abstract = _abstract(opt_state, state_shardings(opt_state, mesh, rules))
+    return _abstract_model_for(model_config, mesh, rules)[0], (opt_def, opt_abstract)
+
+
+def compile_grpo_update(model_state, opt_state, mesh, micro_batches: int, rows: int, row_length: int,
+                        loss_config: LossConfig, chunk: int, temperature) -> CompiledStep:
+    """The GRPO update (`_train_step`) for abstract policy state and a [micro_batches, rows, row_length]
+    batch on `mesh`: XLA's memory analysis, nothing run."""
+    batch = _abstract_batch(mesh, micro_batches, rows, row_length)
+    return _compile("grpo update", lambda m, o, b: _train_step(m, o, b, loss_config, chunk, temperature),
+                    model_state, opt_state, batch)
 
 
 def compile_steps(config, mesh) -> list[CompiledStep]:
@@ -125,9 +141,8 @@ def compile_steps(config, mesh) -> list[CompiledStep]:
     loss_config = LossConfig.from_config(config)
     chunk = config.rl.logprob_chunk_size
     temperature = jnp.float32(config.rollout.temperature)
-    rl_batch = _abstract_batch(mesh, batch_config.num_micro_batches, batch_config.rows, batch_config.row_length)
-    steps = [_compile("grpo update", lambda m, o, b: _train_step(m, o, b, loss_config, chunk, temperature),
-                      model_state, opt_state, rl_batch)]
+    steps = [compile_grpo_update(model_state, opt_state, mesh, batch_config.num_micro_batches, batch_config.rows,
+                                 batch_config.row_length, loss_config, chunk, temperature)]
     sft_row = row_length_for(config.sft.max_length, 1)
     sft_rows = builders.data_parallel(mesh) * max(1, config.sft.micro_batch_tokens // sft_row)
     sft_batch = _abstract_batch(mesh, -(-config.sft.batch_size // sft_rows), sft_rows, sft_row)
