@@ -7,14 +7,17 @@ Prints:
 - the roofline: every decode step must read all weights plus the KV cache it attends over
   (counted here as the whole context, prompt + new, of every row; the engine reads the pages that
   cover its longest live row, rounded up to 1/8, 1/4, 1/2 or all of the context), so
-  steps/s <= bandwidth / (weight bytes + KV bytes) and tokens/s <= batch x that;
+  steps/s <= bandwidth / (weight bytes + KV bytes) and tokens/s <= batch x that, with the copy
+  bandwidth measured in this run (or --bandwidth);
 - Hugging Face transformers `generate` (PyTorch, same config, random weights, greedy, same batch,
-  prompt and lengths) measured in the same run, unless --no-hf.
+  prompt and lengths) measured in the same run, in its own process before ours so that it has the
+  whole device, unless --no-hf.
+--profile DIR writes a profiler trace of the timed engine run.
 With `--group G` the prompts come in groups of G identical ones (GRPO's 2G rollouts of one prompt),
 and the same run also times an engine without prefix sharing: the prefill each engine computed and
 the speed-up sharing gives.
 
-    python benchmarks/decode_throughput.py --preset qwen3-1.7b --batch 64 --dtype bfloat16   # GPU
+    python benchmarks/decode_throughput.py --preset qwen3-1.7b --batch 64 --prompt 512 --new 256 --dtype bfloat16  # GPU
     python benchmarks/decode_throughput.py --preset tiny --batch 64                          # CPU
     python benchmarks/decode_throughput.py --preset tiny --batch 64 --group 32 --prompt 1024 --new 16 --no-hf
 """
@@ -23,6 +26,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import json
 import os
 import sys
 import time
@@ -37,7 +42,7 @@ from rstar_jax.model.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 from rstar_jax.rollout.engine import JaxEngine  # noqa: E402
 from rstar_jax.rollout.protocol import SamplingParams  # noqa: E402
 
-H100_HBM_BYTES_PER_S = 2.95e12  # measured HBM copy bandwidth on one H100
+from ceilings import copy_bandwidth, run_peer  # noqa: E402 (benchmarks/ceilings.py)
 
 
 def run_engine(engine: JaxEngine, prompts: list[list[int]], new: int) -> float:
@@ -55,7 +60,7 @@ def run_engine(engine: JaxEngine, prompts: list[list[int]], new: int) -> float:
     return elapsed
 
 
-def run_hf(config: Qwen3Config, prompts: np.ndarray, new: int, dtype: str) -> float:
+def run_hf(config: Qwen3Config, prompts: np.ndarray, new: int, dtype: str) -> dict:
     import torch
     import transformers
 
@@ -75,7 +80,7 @@ def run_hf(config: Qwen3Config, prompts: np.ndarray, new: int, dtype: str) -> fl
         model.generate(ids, **kwargs)
         if device == "cuda":
             torch.cuda.synchronize()
-    return time.perf_counter() - start
+    return {"seconds": time.perf_counter() - start, "torch": torch.__version__, "transformers": transformers.__version__}
 
 
 def main() -> None:
@@ -85,54 +90,76 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new", type=int, default=128)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    parser.add_argument("--bandwidth", type=float, default=H100_HBM_BYTES_PER_S, help="bytes/s for the roofline")
+    parser.add_argument("--bandwidth", type=float, default=None,
+                        help="bytes/s for the roofline (default: the copy bandwidth measured in this run)")
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--group", type=int, default=1, help="identical prompts per group (GRPO's 2G rollouts); "
                                                              "> 1 also times an engine without prefix sharing")
+    parser.add_argument("--profile", metavar="DIR", help="write a profiler trace of the timed engine run to DIR")
+    parser.add_argument("--only", choices=("ours", "peer"), help="run one side only (peer: HF generate)")
+    parser.add_argument("--peer-json", help=argparse.SUPPRESS)  # where `--only peer` writes its figures
     args = parser.parse_args()
     if args.group < 1 or args.batch % args.group:
         parser.error(f"--group must be >= 1 and divide --batch ({args.batch}), got {args.group}")
 
     config = Qwen3Config.preset(args.preset, param_dtype=args.dtype, dtype=args.dtype)
     max_length = args.prompt + args.new + 1
+    rng = np.random.default_rng(0)
+    prompts = np.repeat(rng.integers(1, config.vocab_size, (args.batch // args.group, args.prompt)), args.group, axis=0)
+    tokens = args.batch * args.new
+    if args.only == "peer":
+        hf = run_hf(config, prompts, args.new, args.dtype)
+        if args.peer_json:
+            with open(args.peer_json, "w") as f:
+                json.dump(hf, f)
+        return
+    hf = None if args.no_hf or args.only == "ours" else run_peer(__file__, sys.argv[1:])
+
     model = Qwen3(config, rngs=nnx.Rngs(0))
     # With groups, a follower prefills only its last partial page: its shape needs a small bucket.
     buckets = (args.prompt,) if args.group == 1 else tuple(b for b in (16, 64, 256) if b < args.prompt) + (args.prompt,)
-    rng = np.random.default_rng(0)
-    prompts = np.repeat(rng.integers(1, config.vocab_size, (args.batch // args.group, args.prompt)), args.group, axis=0)
 
-    def timed(**options) -> tuple[float, JaxEngine]:
+    def timed(profile: str | None = None, **options) -> tuple[float, JaxEngine]:
         engine = JaxEngine(model, slots=args.batch, max_length=max_length, prefill_buckets=buckets, **options)
         try:
             run_engine(engine, prompts.tolist(), args.new)  # compile
             engine.prompt_tokens = engine.cached_tokens = engine.shared_tokens = engine.shared_pages = 0
-            return run_engine(engine, prompts.tolist(), args.new), engine
+            with jax.profiler.trace(profile) if profile else contextlib.nullcontext():
+                return run_engine(engine, prompts.tolist(), args.new), engine
         finally:
             engine.close()
 
-    elapsed, engine = timed()
-    tokens = args.batch * args.new
+    elapsed, engine = timed(args.profile)
     ours = tokens / elapsed
 
+    bandwidth = args.bandwidth or copy_bandwidth()
     itemsize = np.dtype(jax.numpy.dtype(args.dtype)).itemsize
     weight_bytes = config.num_params * itemsize
     kv_bytes = 2 * config.num_layers * args.batch * max_length * config.num_kv_heads * config.head_dim * itemsize
-    roofline = args.batch * args.bandwidth / (weight_bytes + kv_bytes)
+    roofline = args.batch * bandwidth / (weight_bytes + kv_bytes)
     print(f"device: {jax.devices()[0].device_kind}; preset {args.preset} ({config.num_params / 1e6:.1f}M params, "
           f"{args.dtype}); batch {args.batch}, prompt {args.prompt}, new {args.new}")
     print(f"JaxEngine:        {ours:10.0f} tokens/s ({elapsed:.2f} s)")
+    result = {"device": jax.devices()[0].device_kind, "args": vars(args), "tokens_per_s": ours, "seconds": elapsed,
+              "bandwidth": bandwidth, "roofline_tokens_per_s": roofline}
     if args.group > 1:
         unshared_elapsed, unshared = timed(prefix_sharing=False)
         prefilled = lambda e: e.prompt_tokens - e.cached_tokens  # noqa: E731
         print(f"prefix sharing:   groups of {args.group} identical prompts: prefilled {prefilled(engine)} prompt tokens "
               f"({engine.shared_pages} pages shared) against {prefilled(unshared)} without sharing; "
               f"{unshared_elapsed:.2f} s without -> {unshared_elapsed / elapsed:.2f}x")
+    source = "given" if args.bandwidth else "copy measured in this run"
     print(f"roofline:         {roofline:10.0f} tokens/s (weights {weight_bytes / 1e9:.3f} GB + KV {kv_bytes / 1e9:.3f} GB "
-          f"per step at {args.bandwidth / 1e12:.2f} TB/s) -> {100 * ours / roofline:.1f}% of roofline")
-    if not args.no_hf:
-        hf_elapsed = run_hf(config, prompts, args.new, args.dtype)
-        hf = tokens / hf_elapsed
-        print(f"HF generate:      {hf:10.0f} tokens/s ({hf_elapsed:.2f} s) -> JaxEngine / HF = {ours / hf:.2f}x")
+          f"per step at {bandwidth / 1e12:.2f} TB/s, {source}) -> {100 * ours / roofline:.1f}% of roofline")
+    if hf:
+        result["hf"] = hf
+        rate = tokens / hf["seconds"]
+        print(f"HF generate:      {rate:10.0f} tokens/s ({hf['seconds']:.2f} s; torch {hf['torch']}) "
+              f"-> JaxEngine / HF = {ours / rate:.2f}x")
+    if os.environ.get("OUT"):
+        name = f"decode_{args.preset}_B{args.batch}.json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
+            json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":
