@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The GPU figures in one command that fits one 10-minute call on a machine with one NVIDIA GPU:
+# the gpu-marked tests; the train step for Qwen3-1.7B at 4 x 4096 bf16 beside the PyTorch peer;
+# JaxEngine decode for Qwen3-1.7B at batch 64 beside HF generate and the roofline; the compiled
+# memory of the chunked log-prob head against the naive head at V=151,936, T=8,192. Every figure is
+# printed beside its baseline from the same run; the log and one JSON per benchmark go to $OUT.
+#
+#   bash benchmarks/gpu_suite.sh --prepare   # here, with PyPI: .whl/ gets what the GPU image lacks
+#                                            # (Python 3.12 manylinux wheels) and this project's wheel
+#   bash benchmarks/gpu_suite.sh             # on the GPU machine, .whl/ carried beside the tree
+#   bash benchmarks/gpu_suite.sh --profile   # also profiler traces of the train step and decode
+#   bash benchmarks/gpu_suite.sh --smoke     # CPU-sized shapes, to check the suite itself anywhere
+#
+# Each part has its own time limit inside an overall deadline (GPU_SUITE_SECONDS, default 570 s),
+# so a part that hangs costs its own slot and the rest still report.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+# What the GPU image lacks (its package list: the device tool's KINDS.md), at the versions Python
+# 3.12 resolves for this project; --no-deps, so each one's own needs are named too.
+WHEELS=(grain==0.2.18 array-record==0.8.6 ml-collections==1.1.0 math-verify==0.9.0
+        latex2sympy2-extended==1.11.0 antlr4-python3-runtime==4.13.2 portpicker==1.6.0 tensorboardX==2.6.5)
+
+if [[ "${1:-}" == "--prepare" ]]; then
+    set -e
+    rm -rf .whl && mkdir -p .whl
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl "${WHEELS[@]}"
+    python3 -m pip wheel -q --no-deps -w .whl .
+    du -sh .whl && ls .whl
+    exit 0
+fi
+
+SMOKE=0 PROFILE=0
+for arg in "$@"; do
+    case "$arg" in
+        --smoke) SMOKE=1 ;;
+        --profile) PROFILE=1 ;;
+        *) echo "gpu_suite.sh: unknown argument $arg (--prepare, --smoke, --profile)" >&2; exit 2 ;;
+    esac
+done
+
+OUT="${OUT:-$PWD/gpu_suite_out}"
+mkdir -p "$OUT"
+exec > >(tee "$OUT/gpu_suite.log") 2>&1
+export PYTHONUNBUFFERED=1
+PY="${PYTHON:-python3}"
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_suite_site \
+        .whl/*.whl || { echo "gpu_suite: installing .whl/ failed"; exit 1; }
+    export PYTHONPATH="/tmp/gpu_suite_site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+DEADLINE=$(( $(date +%s) + ${GPU_SUITE_SECONDS:-570} ))
+FAILED=()
+# part NAME SECONDS COMMAND...: runs COMMAND under the smaller of SECONDS and the time left.
+part() {
+    local name="$1" budget="$2"; shift 2
+    local left=$(( DEADLINE - $(date +%s) - 5 ))
+    (( left < budget )) && budget=$left
+    echo; echo "=== $name (limit ${budget}s) ==="
+    if (( budget < 10 )); then echo "skipped: the suite's deadline is reached"; FAILED+=("$name"); return; fi
+    local start=$SECONDS
+    timeout --kill-after=10 "$budget" "$@"
+    local rc=$?
+    echo "--- $name: exit $rc after $(( SECONDS - start ))s"
+    (( rc != 0 )) && FAILED+=("$name")
+}
+
+if (( SMOKE )); then
+    TRAIN=(--preset small --batch 2 --length 256 --steps 2)
+    DECODE=(--preset tiny --batch 8 --prompt 32 --new 16)
+    HEAD=(--vocab 8192 --length 1024 --hidden 256)
+else
+    TRAIN=(--preset qwen3-1.7b --batch 4 --length 4096 --steps 5)
+    DECODE=(--preset qwen3-1.7b --batch 64 --prompt 512 --new 256 --dtype bfloat16)
+    HEAD=()
+fi
+(( PROFILE )) && TRAIN+=(--profile /tmp/gpu_suite_profile_train) && DECODE+=(--profile /tmp/gpu_suite_profile_decode)
+
+part environment 30 bash -c "nvidia-smi -L 2>/dev/null || echo 'no nvidia-smi'; $PY -c 'import sys, jax, flax; \
+print(sys.version.split()[0], \"jax\", jax.__version__, \"flax\", flax.__version__, jax.devices())'; git log -1 --oneline 2>/dev/null || true"
+part ceilings 60 "$PY" benchmarks/ceilings.py
+GPU_TESTS=$(grep -l "pytest.mark.gpu" tests/test_*.py | tr '\n' ' ')
+part gpu-tests 120 env JAX_PLATFORMS=cuda,cpu "$PY" -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS
+part logprob-head-memory 90 "$PY" benchmarks/logprob_head_memory.py "${HEAD[@]}"
+part train-step 240 "$PY" benchmarks/train_step.py "${TRAIN[@]}"
+part decode 200 "$PY" benchmarks/decode_throughput.py "${DECODE[@]}"
+
+if (( PROFILE )); then  # the device tool returns files at most two folders down: pack the traces
+    for kind in train decode; do
+        [[ -d /tmp/gpu_suite_profile_$kind ]] && tar czf "$OUT/profile_$kind.tgz" -C /tmp/gpu_suite_profile_$kind .
+    done
+fi
+echo
+if (( ${#FAILED[@]} )); then echo "gpu_suite: FAILED parts: ${FAILED[*]}"; exit 1; fi
+echo "gpu_suite: every part finished"
