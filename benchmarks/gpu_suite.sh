@@ -9,6 +9,8 @@
 #                                            # (Python 3.12 manylinux wheels) and this project's wheel
 #   bash benchmarks/gpu_suite.sh             # on the GPU machine, .whl/ carried beside the tree
 #   bash benchmarks/gpu_suite.sh --profile   # also profiler traces of the train step and decode
+#   bash benchmarks/gpu_suite.sh --sweep     # instead: train-step variants (remat, micro-batches, chunk,
+#                                            # parameter dtype, attention), ours only, one line each
 #   bash benchmarks/gpu_suite.sh --smoke     # CPU-sized shapes, to check the suite itself anywhere
 #
 # Each part has its own time limit inside an overall deadline (GPU_SUITE_SECONDS, default 570 s),
@@ -32,12 +34,13 @@ if [[ "${1:-}" == "--prepare" ]]; then
     exit 0
 fi
 
-SMOKE=0 PROFILE=0
+SMOKE=0 PROFILE=0 SWEEP=0
 for arg in "$@"; do
     case "$arg" in
         --smoke) SMOKE=1 ;;
         --profile) PROFILE=1 ;;
-        *) echo "gpu_suite.sh: unknown argument $arg (--prepare, --smoke, --profile)" >&2; exit 2 ;;
+        --sweep) SWEEP=1 ;;
+        *) echo "gpu_suite.sh: unknown argument $arg (--prepare, --smoke, --profile, --sweep)" >&2; exit 2 ;;
     esac
 done
 
@@ -70,7 +73,7 @@ part() {
 }
 
 if (( SMOKE )); then
-    TRAIN=(--preset small --batch 2 --length 256 --steps 2)
+    TRAIN=(--preset small --batch 4 --length 128 --steps 2)
     DECODE=(--preset tiny --batch 8 --prompt 32 --new 16)
     HEAD=(--vocab 8192 --length 1024 --hidden 256)
 else
@@ -79,6 +82,18 @@ else
     HEAD=()
 fi
 (( PROFILE )) && TRAIN+=(--profile /tmp/gpu_suite_profile_train) && DECODE+=(--profile /tmp/gpu_suite_profile_decode)
+
+if (( SWEEP )); then
+    part environment 30 bash -c "nvidia-smi -L 2>/dev/null || echo 'no nvidia-smi'"
+    for variant in "--remat full" "--remat dots_no_batch" "--micro-batches 2" "--micro-batches 4" \
+                   "--param-dtype bfloat16" "--chunk 512" "--chunk 2048" "--attention xla --micro-batches 4"; do
+        # shellcheck disable=SC2086  # the variant is several words on purpose
+        part "train-step $variant" 120 "$PY" benchmarks/train_step.py "${TRAIN[@]}" --no-peer $variant
+    done
+    echo; grep -E "^(=== train-step|ours :)" "$OUT/gpu_suite.log"
+    if (( ${#FAILED[@]} )); then echo "gpu_suite: FAILED parts: ${FAILED[*]}"; exit 1; fi
+    exit 0
+fi
 
 part environment 30 bash -c "nvidia-smi -L 2>/dev/null || echo 'no nvidia-smi'; $PY -c 'import sys, jax, flax; \
 print(sys.version.split()[0], \"jax\", jax.__version__, \"flax\", flax.__version__, jax.devices())'; git log -1 --oneline 2>/dev/null || true"

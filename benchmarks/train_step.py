@@ -222,7 +222,8 @@ def main() -> None:
         print(f"ratio ours/peer: {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x")
         result["peer"] = peer
     if os.environ.get("OUT"):
-        name = f"train_step_{args.preset}_B{args.batch}_T{args.length}.json"
+        name = (f"train_step_{args.preset}_B{args.batch}_T{args.length}_{remat}_m{args.micro_batches}_c{args.chunk}"
+                f"_{args.param_dtype}_{attention}.json")
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(result, f, indent=2)
 
