@@ -5,9 +5,9 @@ autodiff of a naive log-softmax keeps several such buffers alive for the backwar
 sequence is cut into chunks and a `lax.scan` computes one chunk's logits at a time. The gradient is
 written by hand (`jax.custom_vjp`): the forward pass keeps only each token's log-normaliser (and
 entropy), and the backward pass recomputes one chunk's logits, turns them into that chunk's logit
-gradient in place, and accumulates the unembedding's gradient in fp32 across chunks. So at most a
-chunk's [B, C, V] logits and their gradient ever exist, and nothing of vocabulary size is kept
-between the two passes.
+gradient in one elementwise pass, and accumulates the unembedding's gradient in fp32 across chunks.
+So at most a chunk's [B, C, V] logits and their gradient exist at a time, and nothing of the
+logits' size is kept between the two passes.
 """
 
 from __future__ import annotations
