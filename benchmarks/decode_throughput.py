@@ -102,7 +102,10 @@ def main() -> None:
     if args.group < 1 or args.batch % args.group:
         parser.error(f"--group must be >= 1 and divide --batch ({args.batch}), got {args.group}")
 
-    config = Qwen3Config.preset(args.preset, param_dtype=args.dtype, dtype=args.dtype)
+    try:
+        config = Qwen3Config.preset(args.preset, param_dtype=args.dtype, dtype=args.dtype)
+    except ValueError as error:
+        parser.error(f"--preset: {error}")
     max_length = args.prompt + args.new + 1
     rng = np.random.default_rng(0)
     prompts = np.repeat(rng.integers(1, config.vocab_size, (args.batch // args.group, args.prompt)), args.group, axis=0)

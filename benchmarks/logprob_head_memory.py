@@ -57,8 +57,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=2_048, help="model width (Qwen3-1.7B: 2,048)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--chunk", type=int, default=1_024, help="the chunked head's sequence chunk")
-    parser.add_argument("--dtype", default="bfloat16", help="hidden states' (compute) dtype")
-    parser.add_argument("--param-dtype", default="float32", help="the unembedding's dtype")
+    parser.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="hidden states' (compute) dtype")
+    parser.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"), help="the unembedding's dtype")
     parser.add_argument("--entropy", action="store_true", help="also differentiate through the entropies")
     args = parser.parse_args()
 

@@ -5,7 +5,10 @@
 
 Ours: `rstar_jax.train.step.train_step` (policy forward -> chunked log-probs -> GRPO loss -> grads
 -> AdamW) with the batch placed as the RL trainer places it (`place_batch`: rows over the mesh's
-data-parallel axes) and the optimizer as `make_optimizer` builds it, bf16 compute with fp32 parameters on GPU, `--remat` policy, cuDNN attention on NVIDIA.
+data-parallel axes) and the optimizer as `make_optimizer` builds it. On a GPU by default: bf16
+compute, fp32 parameters, remat "full", cuDNN attention (--compute-dtype, --param-dtype, --remat,
+--attention, --micro-batches and --chunk change them). --compile-only prints XLA's memory analysis
+of the step for abstract arrays instead, on any backend.
 Peer (same shapes, its own process, run first so that it has the whole device): Hugging Face
 `Qwen3ForCausalLM` in PyTorch, forward + backward of a full-vocabulary log-softmax token loss (what
 `../shared/bench/hf_qwen3_peer.py torch` measures), gradient checkpointing on GPU. --no-peer skips it.
@@ -28,11 +31,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from rstar_jax.model.qwen3 import Qwen3Config
+from rstar_jax.model.qwen3 import REMAT_POLICIES, Qwen3Config
+from rstar_jax.model.sharding import DEFAULT_RULES
 from rstar_jax.parallel import create_sharded_model, make_mesh
 from rstar_jax.rl.loss import LossConfig
 from rstar_jax.train.aot import abstract_policy_for, compile_grpo_update
-from rstar_jax.model.sharding import DEFAULT_RULES
 from rstar_jax.train.step import OptimizerConfig, make_optimizer, place_batch, train_step
 
 from ceilings import matmul_peak, mfu_peak, run_peer  # noqa: E402 (benchmarks/ceilings.py)
@@ -154,13 +157,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--chunk", type=int, default=1024, help="log-prob chunk length")
     parser.add_argument("--micro-batches", type=int, default=1, help="micro-batches the batch is accumulated over")
-    parser.add_argument("--remat", default=None, help="remat policy (default: full on GPU, none on CPU)")
+    parser.add_argument("--remat", default=None, choices=sorted(REMAT_POLICIES),
+                        help="remat policy (default: full on GPU, none on CPU)")
     parser.add_argument("--attention", default=None, choices=("xla", "cudnn"),
                         help="attention implementation (default: cudnn on GPU, xla elsewhere)")
     parser.add_argument("--compute-dtype", default=None, choices=("float32", "bfloat16"),
                         help="activations' dtype (default: bfloat16 on GPU, float32 elsewhere)")
     parser.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="parameters' (and so AdamW moments') dtype; compute is bf16 on GPU either way")
+                        help="parameters' (and so AdamW moments') dtype")
     parser.add_argument("--profile", metavar="DIR", help="write a profiler trace of two steps to DIR")
     parser.add_argument("--compile-only", action="store_true",
                         help="print XLA's memory analysis of the step for abstract arrays (no peer, nothing run)")
@@ -171,7 +175,10 @@ def main() -> None:
     if args.micro_batches < 1 or args.batch % args.micro_batches:
         parser.error(f"--micro-batches must be >= 1 and divide --batch ({args.batch}), got {args.micro_batches}")
 
-    config = small_preset() if args.preset == "small" else Qwen3Config.preset(args.preset)
+    try:
+        config = small_preset() if args.preset == "small" else Qwen3Config.preset(args.preset)
+    except ValueError as error:
+        parser.error(f"--preset: {error}")
     if args.only == "peer":
         peer = run_peer_model(config, args.batch, args.length, args.steps)
         if args.peer_json and peer:
