@@ -47,6 +47,9 @@ done
 OUT="${OUT:-$PWD/gpu_suite_out}"
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_suite.log") 2>&1
+TEE_PID=$!
+# The log is complete before the command returns (and $OUT is collected).
+trap 'exec 1>&- 2>&-; wait "$TEE_PID"' EXIT
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
 
