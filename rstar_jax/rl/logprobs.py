@@ -61,7 +61,7 @@ def _chunked_head_bwd(with_entropy, residuals, cotangents):
 
     def body(g_unembedding, xs):
         h, targets, lse, entropy, g_lp, g_ent = xs
-        z = _chunk_logits(h, unembedding, temperature)  # z = logits / T, [B, C, V]
+        z = _chunk_logits(h, compute, temperature)  # z = logits / T, [B, C, V]
         log_p = z - lse[..., None]
         p = jnp.exp(log_p)
         hit = jnp.arange(z.shape[-1], dtype=targets.dtype) == targets[..., None]
