@@ -1,4 +1,5 @@
-"""The device's physical limits, measured in the run that quotes them, and a peer process runner.
+"""The device's physical limits, measured in the run that quotes them, and the PyTorch peers' plumbing
+(their process, their model config).
 
 Imported by the benchmark scripts beside it (`python benchmarks/<script>.py` puts this folder on
 the path); also runnable: `python benchmarks/ceilings.py` prints both ceilings.
@@ -16,9 +17,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-# Dense bf16 tensor-core peak of an H100 SXM (the H200 has the same compute): the MFU denominator
-# the reference figures use. Elsewhere the measured matmul peak stands in.
-HOPPER_BF16_PEAK = 989e12
+from rstar_jax.model.qwen3 import Qwen3Config
+from rstar_jax.train.metrics import peak_flops_for
 
 
 def _best_seconds(fn, *args, repeats: int) -> float:
@@ -48,11 +48,21 @@ def copy_bandwidth() -> float:
 
 
 def mfu_peak() -> tuple[float, str]:
-    """(FLOP/s, where it comes from) for MFU: the spec sheet on Hopper, else measured here."""
+    """(FLOP/s, where it comes from) for MFU: the dense bf16 spec the trainer's MFU metric uses
+    (989 TFLOP/s on an H100 or H200, as the reference figures), else a matmul measured here."""
     kind = jax.devices()[0].device_kind
-    if "H100" in kind or "H200" in kind:
-        return HOPPER_BF16_PEAK, f"{kind} dense bf16 spec"
+    spec = peak_flops_for(kind)
+    if spec:
+        return spec, f"{kind} dense bf16 spec"
     return matmul_peak(), f"{kind} matmul measured in this run"
+
+
+def hf_peer_config(config: Qwen3Config):
+    """The same model as a `transformers.Qwen3Config` (from `Qwen3Config.to_hf_dict`), SDPA attention."""
+    import transformers
+
+    fields = {k: v for k, v in config.to_hf_dict().items() if k not in ("architectures", "model_type", "torch_dtype")}
+    return transformers.Qwen3Config(**fields, attn_implementation="sdpa")
 
 
 def run_peer(script: str, args: list[str], timeout: float = 900) -> dict | None:

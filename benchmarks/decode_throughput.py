@@ -42,7 +42,7 @@ from rstar_jax.model.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 from rstar_jax.rollout.engine import JaxEngine  # noqa: E402
 from rstar_jax.rollout.protocol import SamplingParams  # noqa: E402
 
-from ceilings import copy_bandwidth, run_peer  # noqa: E402 (benchmarks/ceilings.py)
+from ceilings import copy_bandwidth, hf_peer_config, run_peer  # noqa: E402 (benchmarks/ceilings.py)
 
 
 def run_engine(engine: JaxEngine, prompts: list[list[int]], new: int) -> float:
@@ -64,11 +64,9 @@ def run_hf(config: Qwen3Config, prompts: np.ndarray, new: int, dtype: str) -> di
     import torch
     import transformers
 
-    hf_config = transformers.Qwen3Config(**{k: v for k, v in config.to_hf_dict(dtype).items()
-                                            if k not in ("architectures", "model_type", "torch_dtype")})
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    model = transformers.Qwen3ForCausalLM(hf_config).to(device=device, dtype=torch_dtype).eval()
+    model = transformers.Qwen3ForCausalLM(hf_peer_config(config)).to(device=device, dtype=torch_dtype).eval()
     ids = torch.as_tensor(prompts, device=device)
     kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0,
                   attention_mask=torch.ones_like(ids))

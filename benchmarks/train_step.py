@@ -38,7 +38,7 @@ from rstar_jax.rl.loss import LossConfig
 from rstar_jax.train.aot import abstract_policy_for, compile_grpo_update
 from rstar_jax.train.step import OptimizerConfig, make_optimizer, place_batch, train_step
 
-from ceilings import matmul_peak, mfu_peak, run_peer  # noqa: E402 (benchmarks/ceilings.py)
+from ceilings import hf_peer_config, matmul_peak, mfu_peak, run_peer  # noqa: E402 (benchmarks/ceilings.py)
 
 
 def model_flops(config: Qwen3Config, tokens: int, length: int) -> float:
@@ -102,16 +102,6 @@ def compile_only(config: Qwen3Config, batch: int, length: int, chunk: int, micro
             "compile_s": step.compile_s}
 
 
-def hf_config(config: Qwen3Config, length: int):
-    import transformers
-
-    return transformers.Qwen3Config(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, tie_word_embeddings=config.tie_word_embeddings,
-        rope_theta=config.rope_theta, max_position_embeddings=max(length, 2048), attn_implementation="sdpa")
-
-
 def run_peer_model(config: Qwen3Config, batch: int, length: int, steps: int) -> dict | None:
     try:
         import torch
@@ -121,7 +111,7 @@ def run_peer_model(config: Qwen3Config, batch: int, length: int, steps: int) -> 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(hf_config(config, length)).to(dev, dtype=dtype)
+    model = transformers.Qwen3ForCausalLM(hf_peer_config(config)).to(dev, dtype=dtype)
     if dev == "cuda":
         model.gradient_checkpointing_enable()
     model.config.use_cache = False
