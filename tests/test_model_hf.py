@@ -282,3 +282,27 @@ def test_update_from_hf_tensors_and_hf_tensor_are_the_way_back():
     tied = Qwen3(Qwen3Config.tiny(tie_word_embeddings=True), rngs=nnx.Rngs(0))
     np.testing.assert_array_equal(hf_tensor(tied, "lm_head.weight"), hf_tensor(tied, "model.embed_tokens.weight"))
     assert update_from_hf_tensors(tied, {"lm_head.weight": np.zeros((320, 64), np.float32)}) is not tied
+
+
+def test_checkpoints_with_equal_configs_load_as_independent_models(tmp_path, tokens):
+    """Two checkpoints of one architecture: each loaded model holds its own file's weights, and
+    loading the second leaves the first as it was (the loader's shape-only model is shared)."""
+    from safetensors.numpy import load_file
+
+    first_hf, second_hf = _hf_model(False, 10_000.0, seed=1), _hf_model(False, 10_000.0, seed=2)
+    first_hf.save_pretrained(tmp_path / "a")
+    second_hf.save_pretrained(tmp_path / "b")
+    first = load_pretrained(tmp_path / "a")
+    first_logits = _our_logits(first, tokens)
+    second = load_pretrained(tmp_path / "b")
+    np.testing.assert_allclose(_our_logits(first, tokens), _hf_logits(first_hf, tokens), atol=1e-4, rtol=1e-4)
+    np.testing.assert_array_equal(_our_logits(first, tokens), first_logits)
+    np.testing.assert_allclose(_our_logits(second, tokens), _hf_logits(second_hf, tokens), atol=1e-4, rtol=1e-4)
+    # Each export equals its own source file, tensor by tensor.
+    for model, source in ((first, "a"), (second, "b")):
+        save_pretrained(model, tmp_path / f"{source}_export")
+        want = load_file(tmp_path / source / "model.safetensors")
+        got = load_file(tmp_path / f"{source}_export" / "model.safetensors")
+        assert sorted(got) == sorted(want)
+        for name in want:
+            np.testing.assert_array_equal(got[name].astype(np.float32), want[name].astype(np.float32), err_msg=name)

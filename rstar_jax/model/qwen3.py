@@ -528,12 +528,15 @@ def param_logical_axes(model: Qwen3) -> dict[str, tuple[str, ...]]:
 
 @functools.lru_cache(maxsize=None)
 def _abstract(config: Qwen3Config):
-    return nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0)))
+    return nnx.split(nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0))))
 
 
 def abstract_model(config: Qwen3Config) -> Qwen3:
-    """Shape-only model (no memory): for shardings, memory plans and loaders."""
-    return _abstract(config)
+    """Shape-only model (no memory): for shardings, memory plans and loaders. Tracing the model is
+    cached per config, but every call returns new Variables: a loader fills them in place, and two
+    loaded models must never share parameters."""
+    graphdef, state = _abstract(config)
+    return nnx.merge(graphdef, state, copy=True)
 
 
 def sequence_positions(segment_ids: jax.Array) -> jax.Array:
