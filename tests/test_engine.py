@@ -12,7 +12,7 @@ from scipy import stats
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.rollout.engine import JaxEngine
 from rstar_jax.rollout.sampling import sample_tokens
-from rstar_jax.rollout.protocol import Generator, SamplingParams
+from rstar_jax.rollout.protocol import ContextLengthExceeded, Generator, SamplingParams
 
 CONFIG = Qwen3Config.tiny()
 
@@ -120,8 +120,11 @@ def test_stop_tokens_and_context_limit(model, engine):
     assert r.finish_reason == "stop" and r.token_ids == tokens[:tokens.index(tokens[2]) + 1]
     long = asyncio.run(engine.generate(_prompt(90, 4), SamplingParams(max_new_tokens=50, temperature=0.0)))
     assert long.finish_reason == "length" and len(long.token_ids) == 96 - 90
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ContextLengthExceeded, match="does not fit"):
         asyncio.run(engine.generate(_prompt(96, 5), SamplingParams(max_new_tokens=2)))
+    capacity = asyncio.run(engine.capacity())
+    assert (capacity.context_length, capacity.max_input_tokens) == (96, 95)
+    assert (capacity.room_for(90), capacity.room_for(95), capacity.room_for(96)) == (6, 1, 0)
 
 
 def test_overcommitted_pool_retracts_and_recomputes_without_changing_outputs(model, engine):

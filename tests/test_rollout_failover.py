@@ -31,7 +31,7 @@ from rstar_jax.rollout.records import trajectory_record
 from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler
 from rstar_jax.rollout.sglang import SGLangGenerator, SGLangRejected, SGLangUnavailable
 from rstar_jax.rollout.stats import record_stats, rollout_stats
-from rstar_jax.rollout.trajectory import STOP_ABORTED, STOP_NO_TOOL_CALL, STOP_REJECTED
+from rstar_jax.rollout.trajectory import STOP_ABORTED, STOP_CONTEXT, STOP_NO_TOOL_CALL, STOP_REJECTED
 from tests.test_rollout_loop import FakeExecutor, call, exact_scorer
 
 TOK = ByteTokenizer()
@@ -323,12 +323,13 @@ def test_two_real_servers_one_killed_mid_step(tmp_path):
         assert scheduler.is_down(generators[0]) and not scheduler.is_down(generators[1])
         stats = rollout_stats(trajectories)
         assert stats["failovers"] >= 1, stats
-        long_prompt = [t for t in trajectories if t.group_id == 4]
-        assert all(t.finish_reason == STOP_REJECTED and t.reward == 0.0 and t.truncated for t in long_prompt)
-        assert "context length" in long_prompt[0].extra["error"] and stats["rejected"] == 4
+        long_prompt = [t for t in trajectories if t.group_id == 4]  # longer than any server's context
+        assert all(t.finish_reason == STOP_CONTEXT and t.reward == 0.0 and t.truncated for t in long_prompt)
+        assert "leaves no room for a new token" in long_prompt[0].extra["error"]
+        assert stats["context_truncated"] == 4 and stats["rejected"] == 0
         for t in trajectories:
             t.check()
-            if t.finish_reason != STOP_REJECTED:
+            if t.finish_reason != STOP_CONTEXT:
                 assert t.num_sampled_tokens > 0
         print(f"step with a killed server: {time.monotonic() - t0:.1f}s, {stats['failovers']} failovers")
     finally:

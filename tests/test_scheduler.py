@@ -275,3 +275,68 @@ def test_generators_the_ledger_cannot_tell_apart_get_trajectories_in_turn():
     # a, b, a, b, a although b holds 3000 more; then b (2 vs 3 in progress) takes the 10k turn, which
     # leaves it more than 5% less free than a, so a takes the next whatever the counts
     assert asyncio.run(run()) == ["a", "b", "a", "b", "a", "b", "a"]
+
+
+class LimitedGenerator(FakeGenerator):
+    """A generator whose requests are bounded by a context length (and a longest input)."""
+
+    def __init__(self, name, total, context_length, max_input_tokens=None):
+        super().__init__(name, total)
+        self.context_length, self.max_input_tokens = context_length, max_input_tokens
+
+    async def capacity(self):
+        return Capacity(total_tokens=self.total, used_tokens=self.used, context_length=self.context_length,
+                        max_input_tokens=self.max_input_tokens)
+
+
+def test_placements_respect_each_generators_context_length():
+    """A context a generator cannot take never goes there (nor does a group's next member, nor a
+    trajectory's next turn once its context outgrew its home); one no generator takes is refused as
+    a context-length overflow, and a turn asks for no more than the context length leaves."""
+    from rstar_jax.rollout.protocol import ContextLengthExceeded
+
+    short, long = LimitedGenerator("short", 100_000, 512, 500), LimitedGenerator("long", 1_000, 4096, 4000)
+    scheduler = KvScheduler([short, long])
+
+    async def run():
+        placed = []
+        async with scheduler.trajectory("t1", group=0) as session:
+            async with session.turn(100, 300) as gen:
+                placed.append(gen)
+                session.record(300)
+            async with session.turn(600, 300) as gen:  # outgrew the short generator: moves
+                placed.append(gen)
+                assert scheduler._trajectories["t1"].turn.max_new == 300
+                session.record(10)
+        async with scheduler.trajectory("t2", group=0) as session:
+            async with session.turn(501, 3800) as gen:  # the group's home cannot take it
+                placed.append(gen)
+                assert scheduler._trajectories["t2"].turn.max_new == 4096 - 501
+                session.record(1)
+        with pytest.raises(ContextLengthExceeded, match="a context of 4001 tokens leaves no room"):
+            await _turn(scheduler, "t3", 4001, 10)
+        with pytest.raises(ContextLengthExceeded):
+            await _turn(scheduler, "t4", 4096, 10)
+        return placed
+
+    assert asyncio.run(run()) == [short, long, long]
+
+
+def test_a_stale_load_report_delays_waiting_turns_but_never_stalls_them():
+    """A generator's load report is a snapshot (SGLang publishes /v1/loads every few decode steps):
+    one that still counts tokens freed since keeps new trajectories waiting only until the scheduler
+    reads it again, which it does on its own while turns wait, with nothing else going on."""
+    gen = FakeGenerator("a", 1000, used=950)
+    scheduler = KvScheduler([gen], reconcile_interval=0.2)
+
+    async def run():
+        await scheduler.reconcile()
+        gen.used = 0  # the requests finished; the scheduler has not looked since
+        async def one():
+            async with scheduler.trajectory("t") as session:
+                async with session.turn(200, 100) as placed:
+                    session.record(10)
+                    return placed
+        return await asyncio.wait_for(one(), timeout=10)
+
+    assert asyncio.run(run()) is gen

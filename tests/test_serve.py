@@ -82,6 +82,11 @@ def test_generate_returns_sglang_format_and_matches_the_full_forward(server):
     status, text = _http(server, "POST", "/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}})
     assert status == 200 and json.loads(text)["meta_info"]["finish_reason"] == {"type": "length", "length": 2}
     assert "output_token_logprobs" not in json.loads(text)["meta_info"]  # return_logprob defaults to false
+    # As sglang-router 0.3.2 forwards it: its own fields at their defaults, routing hints.
+    status, text = _http(server, "POST", "/generate", {
+        "input_ids": prompt, "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}, "model": None,
+        "background": False, "no_logs": False, "return_bytes": False, "routing_key": "abc", "stream": False})
+    assert status == 200 and json.loads(text)["output_ids"] == tokens[:2]
 
 
 def test_a_prompt_longer_than_the_prefill_chunk_matches_the_full_forward(server):
@@ -110,6 +115,11 @@ def test_bad_requests_name_the_field(server):
         ({"input_ids": [1], "bogus": 1}, "unknown field(s) ['bogus']"),
         ({"input_ids": [1, 2], "return_logprob": True, "logprob_start_len": 2}, "logprob_start_len"),
         ({"input_ids": [1], "return_text_in_logprobs": True}, "return_text_in_logprobs needs a tokenizer"),
+        # SGLang refuses an explicit max_new_tokens past the context length (it does not cut it).
+        ({"input_ids": [1] * 10, "sampling_params": {"max_new_tokens": MAX_LENGTH - 9}},
+         "exceeds the model's maximum context length"),
+        ({"input_ids": [1], "background": True}, "background=True is not supported"),
+        ({"input_ids": [1], "model": "another-model"}, "model='another-model'"),
     ]
     for body, message in cases:
         status, text = _http(server, "POST", "/generate", body)
@@ -129,11 +139,12 @@ def test_info_load_health_and_memory_endpoints(server):
 
     info, loads, capacity, healthy, version = asyncio.run(run())
     assert info["max_total_num_tokens"] == POOL == capacity.total_tokens and info["page_size"] == PAGE
-    assert info["max_req_input_len"] == MAX_LENGTH - 1 and info["max_running_requests"] == SLOTS
+    assert info["max_req_input_len"] == MAX_LENGTH and info["max_running_requests"] == SLOTS
     assert info["chunked_prefill_size"] == CHUNK
     assert info["internal_states"][0]["memory_usage"]["token_capacity"] == POOL
     assert loads[0]["num_running_reqs"] == 0 and loads[0]["max_total_num_tokens"] == POOL
-    assert healthy and version == "0"
+    assert healthy and version == "0" and info["vocab_size"] == CONFIG.vocab_size
+    assert (capacity.context_length, capacity.max_input_tokens) == (MAX_LENGTH, MAX_LENGTH - 1)
     status, text = _http(server, "GET", "/get_load")
     assert status == 200 and json.loads(text)[0]["num_reqs"] == 0
     for path in ("/release_memory_occupation", "/resume_memory_occupation"):

@@ -18,6 +18,7 @@ import time
 import pytest
 from aiohttp import web
 
+from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import IM_END, ByteTokenizer
 from rstar_jax.rollout import sglang as sglang_module
 from rstar_jax.rollout.loop import LoopConfig, run_trajectory
@@ -343,3 +344,141 @@ def test_seeded_sampling_warns_once_when_determinism_is_off(caplog):
     assert len(warnings) == 2
     assert warnings[0].startswith(old.url) and warnings[1].startswith(off.url)
     assert all(body["sampling_params"]["sampling_seed"] == 7 for r, body in on.calls if r == "/generate")
+
+
+class StandIn0523(StandIn):
+    """SGLang 0.5.23 as it answered this client: no `/get_weight_version` (404); the version an update
+    sets is in `/model_info`; `/get_server_info` reports `context_length` and `max_req_input_len`
+    (min(context, KV pool) - 6) but no vocabulary size; `/generate` answers 400 when input +
+    max_new_tokens exceeds the context length; an input id at or past the vocabulary kills the server
+    (the embedding's IndexError takes the process tree down)."""
+
+    def __init__(self, *, context_length=4096, vocab_size=400, model_path="m", **kwargs):
+        super().__init__("2026", dp=1, deterministic=False, **kwargs)
+        self.context_length, self.vocab_size, self.model_path = context_length, vocab_size, model_path
+        self.dead = False
+
+    def app(self):
+        app = web.Application()
+        r = app.router
+        r.add_get("/health_generate", self.health_generate)
+        r.add_get("/get_server_info", self.server_info)
+        r.add_get("/model_info", self.model_info)
+        r.add_get("/v1/loads", self.v1_loads)
+        r.add_post("/generate", self.generate)
+        r.add_post("/update_weights_from_disk", self.update_weights)
+        return app
+
+    async def server_info(self, request):
+        self.calls.append(("/get_server_info", None))
+        return web.json_response({
+            "model_path": self.model_path, "tp_size": 1, "dp_size": 1, "page_size": 1,
+            "context_length": self.context_length, "max_total_num_tokens": self.rank_tokens,
+            "max_req_input_len": min(self.context_length, self.rank_tokens) - 6, "weight_version": "default",
+            "enable_deterministic_inference": False, "version": "0.5.23"})
+
+    async def model_info(self, request):
+        self.calls.append(("/model_info", None))
+        return web.json_response({"model_path": self.model_path, "is_generation": True,
+                                  "weight_version": self.weight_version})
+
+    async def generate(self, request):
+        body = await request.json()
+        self.calls.append(("/generate", body))
+        if self.dead or any(t >= self.vocab_size for t in body["input_ids"]):
+            self.dead = True
+            raise ConnectionResetError("IndexError in the embedding: the server is down")
+        total = len(body["input_ids"]) + body["sampling_params"]["max_new_tokens"]
+        if total > self.context_length:
+            return web.json_response({"error": {"message": (
+                f"Requested token count exceeds the model's maximum context length of {self.context_length} "
+                f"tokens. You requested a total of {total} tokens")}}, status=400)
+        ids = ANSWER[:min(body["sampling_params"]["max_new_tokens"], self.context_length - len(body["input_ids"]) - 2)]
+        finish = {"type": "stop", "matched": ids[-1]} if ids == ANSWER else {"type": "length", "length": len(ids)}
+        return web.json_response({"output_ids": ids, "meta_info": {
+            "id": body["rid"], "finish_reason": finish, "prompt_tokens": len(body["input_ids"]),
+            "completion_tokens": len(ids), "cached_tokens": 0, "weight_version": self.weight_version,
+            "output_token_logprobs": [[-0.5, t, None] for t in ids]}})
+
+
+def test_weight_version_and_disk_update_on_0_5_23():
+    """The version is read where 0.5.23 has it, and a successful load never ends in an exception."""
+    server = StandIn0523()
+
+    async def body(s):
+        async with SGLangGenerator(s.url) as gen:
+            before = await gen.weight_version()
+            s.ready_at = time.monotonic()
+            await gen.update_weights_from_disk("/ckpt/step_7", weight_version=7)
+            with_version = (await gen.weight_version(), gen.version)
+            s.weight_version = "9"  # another client's update (or the server's own default)
+            await gen.update_weights_from_disk("/ckpt/step_9")  # no version given: read back
+            return before, with_version, gen.version
+
+    before, with_version, after = run_with([server], body)
+    assert before == "0" and with_version == ("7", 7) and after == 9
+    assert "/get_weight_version" not in routes(server)
+
+
+def test_requests_are_capped_at_the_servers_context_length(caplog):
+    """A response budget past the server's context length: the request asks for what fits, so the
+    trajectory generates (it was an HTTP 400 and an empty, zero-reward trajectory before). One that
+    reaches the context length ends truncated as "context_length" and is counted; a context with no
+    room left is never sent."""
+    from rstar_jax.rollout.stats import rollout_stats
+    from rstar_jax.rollout.trajectory import STOP_CONTEXT, STOP_NO_TOOL_CALL
+
+    class Executor:
+        async def execute(self, code, stdin="", **kw):
+            raise AssertionError("no tool calls expected")
+
+    async def scorer(text, gold, truncated=False):
+        return 0.0 if truncated else float("\\boxed{42}" in text)
+
+    prompt_length = len(ChatTemplate(tool_name=LoopConfig().tool_name).prompt_ids(TOK, "Q"))
+    roomy = StandIn0523(context_length=prompt_length + len(ANSWER) + 50)  # fits the answer, not the budget
+    tight = StandIn0523(context_length=prompt_length + 12)  # cuts the answer short
+    full = StandIn0523(context_length=prompt_length)  # no room for a single token
+
+    async def body(*servers):
+        trajectories = []
+        for s in servers:
+            async with SGLangGenerator(s.url) as gen:
+                scheduler = KvScheduler([gen])
+                cfg = LoopConfig(max_turns=2, response_budget=300)
+                trajectories.append(await asyncio.gather(*(
+                    run_trajectory(None, TOK, Executor(), "Q", "42", config=cfg, scorer=scorer, scheduler=scheduler,
+                                   group_id=i) for i in range(4))))
+        return trajectories
+
+    roomy_trajs, tight_trajs, full_trajs = run_with([roomy, tight, full], body)
+    assert all(t.finish_reason == STOP_NO_TOOL_CALL and t.reward == 1.0 for t in roomy_trajs)
+    asked = [b["sampling_params"]["max_new_tokens"] for r, b in roomy.calls if r == "/generate"]
+    assert asked == [len(ANSWER) + 50] * 4
+    assert all(t.finish_reason == STOP_CONTEXT and t.truncated and 0 < len(t.response_ids) <= 12 for t in tight_trajs)
+    assert all(t.finish_reason == STOP_CONTEXT and t.truncated and not t.response_ids for t in full_trajs)
+    assert "/generate" not in routes(full)
+    stats = rollout_stats([*roomy_trajs, *tight_trajs, *full_trajs])
+    assert stats["context_truncated"] == 8 and stats["rejected"] == 0
+
+
+def test_out_of_vocabulary_ids_never_reach_the_server(tmp_path):
+    """An id a real server's embedding cannot look up would take the server down: the client refuses
+    it with the position and the vocabulary, whether it was told the size or read the served model's
+    config.json."""
+    (tmp_path / "config.json").write_text('{"vocab_size": 400}')
+    told, read = StandIn0523(vocab_size=400), StandIn0523(vocab_size=400, model_path=str(tmp_path))
+
+    async def body(a, b):
+        errors = []
+        async with SGLangGenerator(a.url, vocab_size=400) as gen, SGLangGenerator(b.url) as gen_b:
+            for g in (gen, gen_b):
+                with pytest.raises(ValueError) as info:
+                    await g.generate([1, 2, 400, 3], SamplingParams(max_new_tokens=4))
+                errors.append(str(info.value))
+                assert (await g.generate([1, 2, 399], SamplingParams(max_new_tokens=4))).token_ids
+        return errors
+
+    errors = run_with([told, read], body)
+    assert all("input_ids[2] = 400 is outside the model's vocabulary [0, 400)" in e for e in errors)
+    assert not told.dead and not read.dead

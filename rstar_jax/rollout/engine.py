@@ -97,7 +97,15 @@ import numpy as np
 from flax import nnx
 
 from rstar_jax.model.qwen3 import PagedKVCache, Qwen3
-from rstar_jax.rollout.protocol import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, Capacity, GenerateResult, SamplingParams
+from rstar_jax.rollout.protocol import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    Capacity,
+    ContextLengthExceeded,
+    GenerateResult,
+    SamplingParams,
+)
 from rstar_jax.rollout.sampling import row_keys, sample_tokens
 
 MAX_STOP_IDS = 8
@@ -332,7 +340,8 @@ class JaxEngine:
         if min(prompt) < 0 or max(prompt) >= self.vocab_size:
             raise ValueError(f"generate: input_ids must lie in [0, {self.vocab_size})")
         if len(prompt) >= self.max_length:
-            raise ValueError(f"generate: prompt of {len(prompt)} tokens does not fit max_length {self.max_length}")
+            raise ContextLengthExceeded(f"generate: prompt of {len(prompt)} tokens does not fit max_length "
+                                        f"{self.max_length}")
         if len(sampling.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"generate: at most {MAX_STOP_IDS} stop token ids, got {len(sampling.stop_token_ids)}")
         loop = asyncio.get_running_loop()
@@ -396,7 +405,8 @@ class JaxEngine:
             queued = len(self._waiting) + len(self._retracted) + self._incoming.qsize()
             retracted = len(self._retracted)
         return Capacity(total_tokens=self.max_total_tokens, used_tokens=used, running_requests=running,
-                        queued_requests=queued, retracted_requests=retracted)
+                        queued_requests=queued, retracted_requests=retracted, context_length=self.max_length,
+                        max_input_tokens=self.max_length - 1)
 
     def update_weights(self, model_or_state, *, abort_in_flight: bool = False, version: int | None = None) -> int:
         """Swaps in new parameters (a `Qwen3` or its `nnx.State`) and returns the new version.

@@ -13,8 +13,12 @@ Failures (token in, token out makes each resumption exact):
 - A turn the generator aborts (a weight update with `abort_all_requests`, a pause, an operator's
   abort) keeps its partial tokens and is continued by the next request, up to `max_abort_resumes`
   times (partial rollout): the sampled tokens carry the weight version that produced them.
-- A request the generator rejects (a 4xx, e.g. a context longer than the server's) ends the
-  trajectory as truncated, scored 0, with `finish_reason` "rejected".
+- A request the generator rejects (a 4xx) ends the trajectory as truncated, scored 0, with
+  `finish_reason` "rejected".
+- A generator's context length bounds every request: the generator asks for at most what fits
+  (SGLang answers 400 otherwise), so a trajectory whose context reaches it before its response budget
+  runs out ends truncated with `finish_reason` "context_length" (its turns so far kept), as does one
+  whose context no generator can take.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from rstar_jax.errors import from_paths
 from rstar_jax.rollout.protocol import (
     FINISH_ABORT,
     FINISH_LENGTH,
+    ContextLengthExceeded,
     Generator,
     GeneratorUnavailable,
     RequestRejected,
@@ -54,6 +59,7 @@ from rstar_jax.rollout.tool_env import SANDBOX_OPTION_FIELDS, ToolEnv
 from rstar_jax.rollout.trajectory import (
     STOP_ABORTED,
     STOP_BUDGET,
+    STOP_CONTEXT,
     STOP_MAX_TURNS,
     STOP_NO_TOOL_CALL,
     STOP_REJECTED,
@@ -241,6 +247,10 @@ async def run_trajectory(
                         scheduler.mark_down(gen, str(e))  # the turn goes to a generator still in rotation
                     else:
                         session.record(len(result.token_ids), complete=result.finish_reason != FINISH_ABORT)
+            except ContextLengthExceeded as e:
+                traj.finish_reason, traj.truncated = STOP_CONTEXT, True
+                traj.extra["error"] = str(e)
+                break
             except RequestRejected as e:
                 traj.finish_reason, traj.truncated = STOP_REJECTED, True
                 traj.extra["error"] = str(e)
@@ -272,7 +282,9 @@ async def run_trajectory(
             model_text.append(turn_text)
             turn_ids = []
             if result.finish_reason == FINISH_LENGTH:
-                traj.finish_reason, traj.truncated = STOP_BUDGET, True
+                # Short of the budget, the request was capped at the generator's context length.
+                at_budget = len(traj.response_ids) >= config.response_budget
+                traj.finish_reason, traj.truncated = (STOP_BUDGET if at_budget else STOP_CONTEXT), True
                 break
             # A turn that ends with EOS exactly at the budget is complete: an answer there counts, and
             # a tool call there is stopped below because its observation cannot be appended.

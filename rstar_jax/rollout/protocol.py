@@ -31,6 +31,12 @@ class RequestRejected(GeneratorError):
     stays in rotation; the trajectory ends there, like a truncated one."""
 
 
+class ContextLengthExceeded(RequestRejected):
+    """The context leaves no room for one new token within the generator's context length: raised
+    before the request is sent (or before it is placed), never by a server's 400. The trajectory ends
+    truncated at the context length."""
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings; every field is always sent to SGLang (its defaults come from the model)."""
@@ -89,6 +95,20 @@ class Capacity:
     queued_requests: int = 0
     retracted_requests: int = 0  # queued requests holding partial output after a retraction
     ranks: int = 1  # DP ranks the totals cover; total_tokens // ranks is the most one request can use
+    # Per request: the context plus its new tokens may hold at most `context_length` tokens, and the
+    # context alone at most `max_input_tokens` (SGLang: --context-length, and max_req_input_len - 1,
+    # which the KV pool's size can lower). None: not reported, no limit known.
+    context_length: int | None = None
+    max_input_tokens: int | None = None
+
+    def room_for(self, context_tokens: int) -> int | None:
+        """The most new tokens one request with this context may ask for: 0 when the context cannot be
+        sent at all, None when no limit is known."""
+        if self.max_input_tokens is not None and context_tokens > self.max_input_tokens:
+            return 0
+        if self.context_length is None:
+            return None
+        return max(0, self.context_length - context_tokens)
 
 
 @runtime_checkable

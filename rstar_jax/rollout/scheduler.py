@@ -26,8 +26,17 @@ it starts as soon as room frees up.
   group makes the step's tail), else on the least loaded generator (the largest share of its budget
   free, so that servers of different sizes get load in proportion). New
   trajectories start in arrival order: none overtakes another, so none starves.
+- A generator's context length bounds what it can take (`Capacity.context_length` and
+  `max_input_tokens`, from `/get_server_info`): a turn goes only where its context leaves room for a
+  new token (a trajectory whose context outgrew its home moves), reserves no more output than the
+  largest such room, and is refused (`ContextLengthExceeded`) when no generator in rotation takes it.
 `reconcile()` reads what the generators report (`capacity()`: `/get_server_info` with `/v1/loads` or
-`/get_load` for SGLang servers).
+`/get_load` for SGLang servers). A report is a snapshot: SGLang publishes `/v1/loads` every
+`--load-snapshot-publish-interval` decode steps (and when it goes idle or stalls), so during a pause
+or right after retractions it can still count tokens since freed. The scheduler takes it as a floor
+under its own ledger, never as room: a stale report can only hold admission back, never overcommit a
+generator, and while turns wait the scheduler reads the reports again at least every
+WAITING_RECONCILE_S, so a stale (or foreign) report delays the queue by one interval at most.
 
 `RoundRobinScheduler` assigns trajectory i to generator i mod N for all its turns, with no admission
 control: the static policy the dynamic one is compared with.
@@ -49,7 +58,7 @@ import math
 import time
 from typing import AsyncIterator, Hashable, Sequence
 
-from rstar_jax.rollout.protocol import Generator, GeneratorUnavailable, RequestRejected
+from rstar_jax.rollout.protocol import Capacity, ContextLengthExceeded, Generator, GeneratorUnavailable, RequestRejected
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +75,9 @@ GROUP_BLOCK = 8
 # Generators whose free shares of budget differ by less than this are equally loaded as far as the
 # ledger can tell (it holds estimates); the one with fewer trajectories in progress is chosen.
 BALANCE_TOLERANCE = 0.05
+# While turns wait, the generators' reports are read at least this often (seconds): a stale or
+# foreign report may hold the queue back, and nothing else may come along to read them again.
+WAITING_RECONCILE_S = 1.0
 
 
 class _Rotation:
@@ -123,6 +135,12 @@ class GeneratorLedger:
     peak_reserved: int = 0
     admitted: int = 0  # trajectories whose first turn ran here
     moved_in: int = 0  # turns of trajectories whose prefix was on another generator (rebalancing)
+    limits: Capacity | None = None  # its per-request context limits, as last reported
+
+    def admits(self, context: int) -> bool:
+        """Whether a request with this context can run here at all (room for one new token)."""
+        room = None if self.limits is None else self.limits.room_for(context)
+        return room is None or room >= 1
 
 
 @dataclasses.dataclass
@@ -229,6 +247,7 @@ class KvScheduler(_Rotation):
         self._group_home: collections.OrderedDict[Hashable, list[int]] = collections.OrderedDict()
         self._last_reconcile = 0.0
         self._init_lock = asyncio.Lock()
+        self._refresher: asyncio.Task | None = None  # reconciles while turns wait
         self.admitted = 0  # trajectories placed so far
         self.turns = 0  # turns placed so far
         self.moves = 0  # turns placed away from the generator holding their prefix
@@ -303,6 +322,7 @@ class KvScheduler(_Rotation):
                 self._ledgers[i].capacity = int(report.total_tokens)
                 self._ledgers[i].ranks = max(1, int(report.ranks))
                 self._ledgers[i].reported_used = int(report.used_tokens)
+                self._ledgers[i].limits = report
         self._last_reconcile = time.monotonic()
         self._after_down()
 
@@ -312,6 +332,22 @@ class KvScheduler(_Rotation):
                 time.monotonic() - self._last_reconcile >= self.reconcile_interval)
             if self._ledgers is None or due:
                 await self.reconcile()
+
+    async def _refresh_while_waiting(self) -> None:
+        """Re-reads the generators' reports while turns wait (every `reconcile_interval`, at least
+        every WAITING_RECONCILE_S): a report that still counts freed tokens (a load snapshot taken
+        before requests finished, retracted or were aborted by a pause) then holds admission back for
+        one interval at most, even when no turn of this scheduler ends meanwhile."""
+        interval = min(self.reconcile_interval or WAITING_RECONCILE_S, WAITING_RECONCILE_S)
+        while self._waiting > 0:
+            await asyncio.sleep(interval)
+            if self._waiting == 0:
+                return
+            try:
+                async with self._init_lock:
+                    await self.reconcile()
+            except Exception as e:  # noqa: BLE001  (a bad report must not end the refresher; turns still wait)
+                log.warning("reconcile while turns wait failed: %s", e)
 
     # -- sessions -----------------------------------------------------------------------------
     @contextlib.asynccontextmanager
@@ -343,7 +379,7 @@ class KvScheduler(_Rotation):
         live = self._live_indices()
         if not live:
             raise self._no_generator_left()
-        self._check_fits_somewhere(trajectory.tid, context, live)
+        max_new = self._check_fits_somewhere(trajectory.tid, context, max_new, live)
         turn = _Turn(trajectory, context, max_new, asyncio.get_running_loop().create_future())
         trajectory.turn = turn
         if trajectory.home is not None and trajectory.home not in self.down:
@@ -354,6 +390,8 @@ class KvScheduler(_Rotation):
         self._waiting += 1
         self.max_queue = max(self.max_queue, self._waiting)
         self._dispatch()
+        if not turn.future.done() and (self._refresher is None or self._refresher.done()):
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh_while_waiting())
         try:
             await turn.future
         except BaseException:
@@ -368,11 +406,20 @@ class KvScheduler(_Rotation):
             raise
         return turn
 
-    def _check_fits_somewhere(self, tid: str, context: int, live: list[int]) -> None:
+    def _check_fits_somewhere(self, tid: str, context: int, max_new: int, live: list[int]) -> int:
+        """Refuses a turn no generator in rotation can run; returns its max_new_tokens within the
+        largest context length among those that can (what the generator will ask for)."""
         rank_pool = max(self.ledgers[i].capacity // self.ledgers[i].ranks for i in live)
         if context >= rank_pool:
             raise RequestRejected(f"trajectory {tid!r}: a context of {context} tokens does not fit any generator "
                                   f"in rotation (the largest pool of one DP rank holds {rank_pool})")
+        admitting = [i for i in live if self.ledgers[i].admits(context)]
+        if not admitting:
+            lengths = sorted({self.ledgers[i].limits.context_length for i in live} - {None})
+            raise ContextLengthExceeded(f"trajectory {tid!r}: a context of {context} tokens leaves no room for a "
+                                        f"new token on any generator in rotation (context lengths {lengths})")
+        rooms = [self.ledgers[i].limits.room_for(context) if self.ledgers[i].limits else None for i in admitting]
+        return max_new if None in rooms else min(max_new, max(rooms))
 
     def _end_turn(self, turn: _Turn) -> None:
         trajectory, index = turn.trajectory, turn.index
@@ -406,12 +453,13 @@ class KvScheduler(_Rotation):
         fits a generator with nothing reserved)."""
         return self.free(index) >= min(tokens, self.largest_request(index))
 
-    def _freest(self, exclude: int | None = None) -> int | None:
+    def _freest(self, exclude: int | None = None, context: int = 0) -> int | None:
         """The least loaded generator: the largest share of its budget free, so that load follows
         each generator's size (a larger pool also brings more compute: more GPUs, or larger ones).
         Among those within BALANCE_TOLERANCE of it, the one with the fewest trajectories in progress
-        per token of budget: the ledger's estimates cannot tell such generators apart, their counts can."""
-        live = [i for i in self._live_indices() if i != exclude]
+        per token of budget: the ledger's estimates cannot tell such generators apart, their counts can.
+        Only generators whose context length takes `context` are candidates."""
+        live = [i for i in self._live_indices() if i != exclude and self.ledgers[i].admits(context)]
         if not live:
             return None
         share = {i: self.free(i) / max(1, self.budget(i)) for i in live}
@@ -425,11 +473,14 @@ class KvScheduler(_Rotation):
         it) and another generator has room for the whole turn: then it moves there (rebalancing; its
         context is prefilled again there). The ledger alone does not move a turn: it counts expected
         use, and a move costs a whole prefill. An overloaded home with nowhere to move to runs the
-        turn anyway: the engine's own admission and retraction handle the excess."""
+        turn anyway: the engine's own admission and retraction handle the excess. A context grown past
+        the home's context length moves to a generator that takes it, room or not."""
         home = turn.trajectory.home
+        if not self.ledgers[home].admits(turn.context):
+            return self._freest(exclude=home, context=turn.context)  # _check_fits_somewhere found one
         if self.ledgers[home].reported_used <= self.budget(home):
             return home
-        target = self._freest(exclude=home)
+        target = self._freest(exclude=home, context=turn.context)
         return target if target is not None and self._fits(target, self._footprint(turn)) else home
 
     def _grant(self, turn: _Turn, index: int, reserve: int | None = None) -> None:
@@ -480,13 +531,21 @@ class KvScheduler(_Rotation):
         if self._ledgers is None:
             return
         while (turn := self._head(self._fresh)) is not None:
+            live = self._live_indices()
+            if live and not any(self.ledgers[i].admits(turn.context) for i in live):
+                self._fresh.popleft()  # those that took its context left the rotation
+                self._waiting -= 1
+                turn.future.set_exception(ContextLengthExceeded(
+                    f"trajectory {turn.trajectory.tid!r}: no generator left in rotation takes a context of "
+                    f"{turn.context} tokens"))
+                continue
             full = self._footprint(turn)
             home = self._group_home.get(turn.trajectory.group)
             if (home is not None and home[1] < self.group_block and home[0] not in self.down
-                    and self._fits(home[0], full)):
+                    and self.ledgers[home[0]].admits(turn.context) and self._fits(home[0], full)):
                 target = home[0]
             else:
-                target = self._freest()
+                target = self._freest(context=turn.context)
                 if target is None or not self._fits(target, full):
                     return  # first come, first served: nothing overtakes the head of the queue
             self._fresh.popleft()

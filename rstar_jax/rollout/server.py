@@ -72,6 +72,9 @@ NEUTRAL_DEFAULTS = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 
 GENERATE_FIELDS = {"text", "input_ids", "rid", "sampling_params", "return_logprob", "logprob_start_len",
                    "top_logprobs_num", "return_text_in_logprobs", "stream"}
 GENERATE_AT_DEFAULT: dict[str, tuple] = {
+    # sglang-router fills these in every request it forwards (background and return_bytes are its own
+    # and SGLang's response options; this server answers in the foreground, as JSON).
+    "background": (None, False), "return_bytes": (None, False),
     "input_embeds": (None,), "image_data": (None,), "video_data": (None,), "audio_data": (None,),
     "lora_path": (None,), "lora_id": (None,), "token_ids_logprob": (None,), "custom_logit_processor": (None,),
     "session_params": (None,), "bootstrap_host": (None,), "bootstrap_port": (None,), "bootstrap_room": (None,),
@@ -80,7 +83,7 @@ GENERATE_AT_DEFAULT: dict[str, tuple] = {
     "routed_dp_rank": (None, 0), "data_parallel_rank": (None, 0),
 }
 GENERATE_IGNORED = {"session_id", "priority", "extra_key", "cache_salt", "log_metrics", "custom_labels",
-                    "routed_experts_start_len"}
+                    "routed_experts_start_len", "no_logs", "routing_key", "conversation_id"}
 # Routes whose handler is cancelled when the client disconnects (its requests are aborted); every
 # other route runs to the end regardless, so that e.g. a weight update is never left half done.
 CANCEL_ON_DISCONNECT = {"/generate", "/v1/completions", "/v1/chat/completions", "/health_generate"}
@@ -256,7 +259,10 @@ class EngineServer:
         for name, accepted in GENERATE_AT_DEFAULT.items():
             if name in body and body[name] not in accepted:
                 raise BadRequest(f"{name}={body[name]!r} is not supported by this server")
-        unknown = sorted(set(body) - GENERATE_FIELDS - set(GENERATE_AT_DEFAULT) - GENERATE_IGNORED)
+        model = body.get("model")  # a router's routing field: null, or the model this server serves
+        if model is not None and model not in (self.served_model_name, self.model_path):
+            raise BadRequest(f"model={model!r}: this server serves {self.served_model_name!r}")
+        unknown = sorted(set(body) - GENERATE_FIELDS - {"model"} - set(GENERATE_AT_DEFAULT) - GENERATE_IGNORED)
         if unknown:
             raise BadRequest(f"unknown field(s) {unknown}")
         text, ids = body.get("text"), body.get("input_ids")
@@ -304,6 +310,12 @@ class EngineServer:
                 raise BadRequest(f"logprob_start_len ({options.start_len}) must be below the {len(row)} prompt "
                                  f"tokens of {where}")
             sampling, text_options = parse_sampling(p, self.stop_token_ids, honour_seed=self.deterministic)
+            if isinstance(p, dict) and "max_new_tokens" in p and len(row) + sampling.max_new_tokens > self.engine.max_length:
+                # SGLang's check and words: an explicit max_new_tokens past the context is refused, not cut.
+                raise BadRequest(f"Requested token count exceeds the model's maximum context length of "
+                                 f"{self.engine.max_length} tokens. You requested a total of "
+                                 f"{len(row) + sampling.max_new_tokens} tokens: {len(row)} tokens from the input "
+                                 f"and {sampling.max_new_tokens} tokens for the completion ({where})")
             if text_options.stop and self.tokenizer is None:
                 raise BadRequest("sampling_params.stop needs a tokenizer, and this server runs without one "
                                  "(--skip-tokenizer-init, or a preset model): use stop_token_ids")
@@ -538,7 +550,8 @@ class EngineServer:
             "context_length": self.engine.max_length,
             "max_running_requests": self.engine.slots,
             "max_total_num_tokens": total,
-            "max_req_input_len": self.engine.max_length - 1,
+            "max_req_input_len": self.engine.max_length,  # SGLang's meaning: inputs shorter than this
+            "vocab_size": self.engine.vocab_size,  # rstar_jax: SGLang's clients cannot learn it otherwise
             "page_size": self.engine.page_size,
             "tp_size": self.tp_size,
             "dp_size": 1,

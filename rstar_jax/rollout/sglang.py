@@ -4,7 +4,11 @@ Data plane: `generate` posts token ids to `/generate`, always sending temperatur
 max_new_tokens (SGLang otherwise takes them from the model's generation_config), and parses
 `output_ids`, `meta_info.output_token_logprobs` ([logprob, token_id, text] triples) and
 `meta_info.finish_reason`. An aborted request comes back as a normal result with finish reason
-"abort" and its partial tokens; the caller decides whether to resume it.
+"abort" and its partial tokens; the caller decides whether to resume it. Before sending, a request is
+fitted to the server (its `/get_server_info`, read once): `max_new_tokens` is capped at the context
+length less the input (SGLang answers 400 to more), an input with no room left raises
+`ContextLengthExceeded` unsent, and an input id outside the model's vocabulary raises `ValueError`
+unsent (a real server's embedding fails on it and the server goes down).
 
 Control plane: `server_info`, `loads`, `capacity`, `flush_cache`, `pause`, `resume`,
 `update_weights_from_disk`, `weight_version`, `abort_all`, `health` and `wait_ready`; SGLang's
@@ -25,6 +29,8 @@ SGLang 0.5.x versions differ; each client detects its server once and remembers 
   refuses the body (4xx) is asked again without one for mode "abort"; other modes then raise.
 - Seeded sampling: SGLang honours `sampling_seed` only with `--enable-deterministic-inference`; the
   first seeded request logs a warning (once per server) when `/get_server_info` shows it off.
+- Weight version: `/model_info` (0.5.23 has no `/get_weight_version`), else `/get_weight_version`,
+  else `/get_server_info`'s startup value. A disk update that loaded never raises for want of it.
 
 Errors: connection failures and HTTP 502/503/504 are retried a bounded number of times with
 exponential backoff (a `/generate` only when it cannot have reached the server), then raise
@@ -37,9 +43,11 @@ generation the server ends with an abort carrying a 4xx status (SGLang's validat
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
+import pathlib
 import secrets
 from typing import Any, Sequence
 
@@ -48,6 +56,7 @@ import aiohttp
 from rstar_jax.rollout.protocol import (
     FINISH_REASONS,
     Capacity,
+    ContextLengthExceeded,
     GenerateResult,
     GeneratorError,
     GeneratorUnavailable,
@@ -62,6 +71,9 @@ RETRY_STATUSES = (502, 503, 504)
 ABSENT_STATUSES = (404, 405)  # a route this server version does not have
 BODY_REJECTED_STATUSES = (400, 415, 422)  # a handler that takes no (or another) body
 LOAD_ROUTES = ("/v1/loads?include=core", "/get_load", "/get_server_info")
+# Where the weight version is: `/model_info` (every 0.5.x build; the only one that follows updates in
+# 0.5.23, where /get_weight_version is gone), the route older builds had, then the startup value.
+WEIGHT_VERSION_ROUTES = ("/model_info", "/get_weight_version", "/get_server_info")
 _warned_nondeterministic: set[str] = set()  # servers already warned about (once per process)
 
 
@@ -149,9 +161,11 @@ class SGLangGenerator:
     def __init__(self, base_url: str, *, retries: int = 3, backoff_s: float = 0.5,
                  request_timeout_s: float | None = None, connect_timeout_s: float = 10.0,
                  generate_timeout_s: float | None = None,
-                 max_connections: int = 1024):
+                 max_connections: int = 1024, vocab_size: int | None = None):
         if retries < 0:
             raise ValueError(f"SGLangGenerator: retries must be >= 0, got {retries}")
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"SGLangGenerator: vocab_size must be >= 1, got {vocab_size}")
         self.base_url = base_url.rstrip("/")
         self.name = f"sglang@{self.base_url}"
         self.retries = retries
@@ -164,9 +178,14 @@ class SGLangGenerator:
         self._session: aiohttp.ClientSession | None = None
         self._version = 0
         self._info: dict | None = None  # /get_server_info, cached: server arguments do not change
+        self._no_info = False  # the server has no /get_server_info (a minimal stand-in)
         self._load_route: str | None = None  # the first of LOAD_ROUTES this server answers
         self._pause_body: bool | None = None  # whether /pause_generation accepts {"mode": ...}
         self._determinism_checked = False
+        # The model's vocabulary (embedding rows): given, else what the server or its model's
+        # config.json says (see `vocab_limit`). An id at or past it kills a real SGLang server.
+        self._vocab_size = vocab_size
+        self._vocab_checked = vocab_size is not None
         self.ready = False  # set once /health_generate answered 200
 
     # -- session / transport ------------------------------------------------------------------
@@ -232,6 +251,21 @@ class SGLangGenerator:
         ids = [int(t) for t in input_ids]
         if not ids:
             raise ValueError("generate: input_ids must be non-empty")
+        vocab = await self.vocab_limit()
+        if vocab is not None and not all(0 <= t < vocab for t in ids):
+            at = next(i for i, t in enumerate(ids) if not 0 <= t < vocab)
+            raise ValueError(f"{self.base_url}/generate: input_ids[{at}] = {ids[at]} is outside the model's "
+                             f"vocabulary [0, {vocab}) (not sent: SGLang's embedding would fail and take the "
+                             f"server down); the tokenizer does not match the model")
+        limits = self._limits(await self._facts())
+        room = limits.room_for(len(ids))
+        if room is not None:
+            if room < 1:
+                raise ContextLengthExceeded(
+                    f"{self.base_url}: a context of {len(ids)} tokens leaves no room for a new token (context "
+                    f"length {limits.context_length}, longest input {limits.max_input_tokens})")
+            if sampling.max_new_tokens > room:  # SGLang answers 400 to a request past its context length
+                sampling = dataclasses.replace(sampling, max_new_tokens=room)
         if sampling.seed is not None and not self._determinism_checked:
             await self._check_determinism()
         payload = {"input_ids": ids, "sampling_params": sampling_payload(sampling), "return_logprob": True,
@@ -261,15 +295,50 @@ class SGLangGenerator:
         info = await self._cached_info()
         loads = await self.loads()
         rank_total = int(info["max_total_num_tokens"])
+        limits = self._limits(info)
         if not loads:  # only /get_server_info: no usage known
             ranks = max(1, int(info.get("dp_size") or 1))
-            return Capacity(total_tokens=rank_total * ranks, ranks=ranks)
-        return Capacity(
+            return dataclasses.replace(limits, total_tokens=rank_total * ranks, ranks=ranks)
+        return dataclasses.replace(
+            limits,
             total_tokens=sum(int(r.get("max_total_num_tokens") or rank_total) for r in loads),
             used_tokens=sum(int(r.get("num_used_tokens") or 0) for r in loads),
             running_requests=sum(int(r.get("num_running_reqs") or 0) for r in loads),
             queued_requests=sum(int(r.get("num_waiting_reqs") or 0) for r in loads),
             ranks=len(loads))
+
+    @staticmethod
+    def _limits(info: dict) -> Capacity:
+        """A request's limits from `/get_server_info`: SGLang answers 400 when input + max_new_tokens
+        exceeds `context_length` (less the draft slots speculative decoding reserves) and aborts an
+        input of `max_req_input_len` tokens or more (min(context, KV pool) - 6)."""
+        context = info.get("context_length")
+        reserved = 0
+        if str(info.get("speculative_algorithm") or "").upper().startswith("EAGLE"):
+            reserved = max(int(info.get("speculative_eagle_topk") or 0) * int(info.get("speculative_num_steps") or 0),
+                           int(info.get("speculative_num_draft_tokens") or 0))
+        max_input = info.get("max_req_input_len")
+        return Capacity(total_tokens=int(info.get("max_total_num_tokens") or 0),
+                        context_length=None if context is None else int(context) - reserved,
+                        max_input_tokens=None if max_input is None else int(max_input) - 1)
+
+    async def vocab_limit(self) -> int | None:
+        """The model's vocabulary size, once: the one given, else `vocab_size` in `/get_server_info`
+        (`rstar_jax.serve` reports it), else `config.json` in the directory `/model_info` names when
+        this machine can read it (local servers, shared storage); None when none says."""
+        if not self._vocab_checked:
+            self._vocab_checked = True
+            info = await self._facts()
+            if info.get("vocab_size"):
+                self._vocab_size = int(info["vocab_size"])
+            else:
+                _, model = await self._request("GET", "/model_info", ok_statuses=(200, *ABSENT_STATUSES))
+                path = (model if isinstance(model, dict) else {}).get("model_path") or info.get("model_path")
+                self._vocab_size = _config_vocab_size(path)
+                if self._vocab_size is None:
+                    log.info("%s: the model's vocabulary size is unknown (model_path %r is not readable here); "
+                             "input ids are not checked against it (pass vocab_size)", self.base_url, path)
+        return self._vocab_size
 
     # -- control plane ------------------------------------------------------------------------
     async def server_info(self) -> dict:
@@ -281,6 +350,16 @@ class SGLangGenerator:
 
     async def _cached_info(self) -> dict:
         return self._info if self._info is not None else await self.server_info()
+
+    async def _facts(self) -> dict:
+        """`/get_server_info` for checking requests before they are sent; {} from a server without it."""
+        if self._info is None and not self._no_info:
+            status, body = await self._request("GET", "/get_server_info", ok_statuses=(200, *ABSENT_STATUSES))
+            if status == 200 and isinstance(body, dict) and "max_total_num_tokens" in body:
+                self._info = body
+            else:
+                self._no_info = True
+        return self._info or {}
 
     async def loads(self) -> list[dict]:
         """Per-DP-rank load rows, each with at least `dp_rank`, `num_used_tokens`, `num_running_reqs`
@@ -409,8 +488,14 @@ class SGLangGenerator:
         await self._request("POST", "/continue_generation", {})
 
     async def weight_version(self) -> str:
-        _, body = await self._request("GET", "/get_weight_version")
-        return str(body["weight_version"])
+        """The server's weight_version: from `/model_info`, the route that follows weight updates on
+        every 0.5.x build (`/get_weight_version` is 404 in 0.5.23), else the older route, else
+        `/get_server_info`'s startup value."""
+        for route in WEIGHT_VERSION_ROUTES:
+            status, body = await self._request("GET", route, ok_statuses=(200, *ABSENT_STATUSES))
+            if status == 200 and isinstance(body, dict) and body.get("weight_version") is not None:
+                return str(body["weight_version"])
+        raise SGLangError(f"{self.base_url}: no weight_version in any of {', '.join(WEIGHT_VERSION_ROUTES)}")
 
     async def update_weights_from_disk(self, model_path: str | os.PathLike, *, abort_all_requests: bool = False,
                                        weight_version: str | int | None = None, flush_cache: bool = True) -> dict:
@@ -427,7 +512,11 @@ class SGLangGenerator:
             raise SGLangError(f"{self.base_url}/update_weights_from_disk failed: {body}")
         version = parse_weight_version(weight_version) if weight_version is not None else None
         if version is None:
-            version = parse_weight_version(await self.weight_version())
+            try:  # the weights are loaded: failing to read the version must not undo that
+                version = parse_weight_version(await self.weight_version())
+            except SGLangError as e:
+                log.warning("%s: weights loaded from %s, but the weight version could not be read (%s); "
+                            "keeping version %d", self.base_url, model_path, e, self._version)
         if version is not None:
             self._version = version
         return body
@@ -492,6 +581,15 @@ class SGLangGenerator:
         if not isinstance(body, dict) or not body.get("success"):
             raise SGLangError(f"{self.base_url}{path} failed: {body}")
         return body
+
+
+def _config_vocab_size(model_path: Any) -> int | None:
+    """`vocab_size` from a Hugging Face directory's config.json, when this machine can read one."""
+    try:
+        config = json.loads((pathlib.Path(str(model_path)) / "config.json").read_text())
+        return int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size"))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
 
 
 def _maybe_json(text: str) -> Any:

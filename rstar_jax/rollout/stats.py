@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from rstar_jax.rollout.trajectory import STOP_REJECTED, Trajectory
+from rstar_jax.rollout.trajectory import STOP_CONTEXT, STOP_REJECTED, Trajectory
 
 CORRECT_THRESHOLD = 0.5
 
@@ -54,6 +54,8 @@ def _summary(c: dict[str, np.ndarray]) -> dict[str, float]:
         "failovers": int(c["n_failovers"].sum()),
         "abort_resumes": int(c["n_abort_resumes"].sum()),
         "rejected": int(c["rejected"].sum()),
+        # Trajectories cut at a generator's context length before their response budget ran out.
+        "context_truncated": int(c["context_truncated"].sum()),
     }
 
 
@@ -75,6 +77,7 @@ def rollout_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:
         "n_failovers": np.asarray([t.n_failovers for t in trajectories]),
         "n_abort_resumes": np.asarray([t.n_abort_resumes for t in trajectories]),
         "rejected": np.asarray([t.finish_reason == STOP_REJECTED for t in trajectories], bool),
+        "context_truncated": np.asarray([t.finish_reason == STOP_CONTEXT for t in trajectories], bool),
     })
 
 
@@ -91,4 +94,5 @@ def record_stats(records: Sequence[Mapping]) -> dict[str, float]:
     for name in ("n_failovers", "n_abort_resumes"):
         columns[name] = np.asarray([int(r.get(name, 0)) for r in records])
     columns["rejected"] = np.asarray([r.get("finish_reason") == STOP_REJECTED for r in records], bool)
+    columns["context_truncated"] = np.asarray([r.get("finish_reason") == STOP_CONTEXT for r in records], bool)
     return _summary(columns)

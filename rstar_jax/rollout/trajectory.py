@@ -11,7 +11,9 @@ STOP_NO_TOOL_CALL = "no_tool_call"  # the model answered (or stopped calling too
 STOP_MAX_TURNS = "max_turns"
 STOP_BUDGET = "budget"  # the shared response budget (model + tool tokens) ran out: truncated
 STOP_ABORTED = "aborted"  # the generator aborted a turn more often than the loop resumes one
-STOP_REJECTED = "rejected"  # the generator refused a request (e.g. a context longer than it serves): truncated
+STOP_REJECTED = "rejected"  # the generator refused a request (a 4xx): truncated
+# The context reached the generator's context length before the response budget ran out: truncated.
+STOP_CONTEXT = "context_length"
 
 
 @dataclasses.dataclass

@@ -436,12 +436,13 @@ class RolloutResources:
 
 @contextlib.asynccontextmanager
 async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine | None = None,
-                            urls: Sequence[str] = ()) -> AsyncIterator[RolloutResources]:
+                            urls: Sequence[str] = (), vocab_size: int | None = None) -> AsyncIterator[RolloutResources]:
     """The tool executor for `targets` (`sandbox.api`: a gRPC SandboxClient or a SandboxFusion
     executor; its per-call defaults: the tool environment, `ToolEnv.from_config`), the scorer
     (`sandbox.verify_via`, one timeout `sandbox.verify_timeout_s`) and the generators: `engine`, or
     SGLang clients for `urls` behind `rollout.scheduler`. Everything belongs to the running event
-    loop and is closed on exit."""
+    loop and is closed on exit. `vocab_size`: the policy's, which the servers' input ids are checked
+    against (unknown: the clients read it from the served model's config.json where they can)."""
     s = config.sandbox
     options = ToolEnv.from_config(config).sandbox_options()
     if s.api == "sandbox_fusion":  # validate() has refused verify_via="sandbox" and what it cannot honour
@@ -455,8 +456,8 @@ async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine
             if not urls:
                 raise ConfigError("config.rollout.servers: no generator: the sglang backend needs server URLs "
                                   "(or rollout.local_servers > 0)")
-            resources.generators = [SGLangGenerator(url, generate_timeout_s=config.rollout.generate_timeout_s or None)
-                                    for url in urls]
+            resources.generators = [SGLangGenerator(url, generate_timeout_s=config.rollout.generate_timeout_s or None,
+                                                    vocab_size=vocab_size) for url in urls]
             share = generation_share(resources.generators)
             if config.rollout.scheduler == "kv":
                 k = config.rollout.kv_scheduler

@@ -153,7 +153,8 @@ def run_rl(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempla
     async def steps(targets: list[str], urls: list[str], engine) -> dict:
         # One event loop for the whole stage: the sandbox client's channels and the generators'
         # HTTP sessions belong to it.
-        async with builders.rollout_resources(config, targets, engine=engine, urls=urls) as resources:
+        async with builders.rollout_resources(config, targets, engine=engine, urls=urls,
+                                              vocab_size=model.config.vocab_size) as resources:
             trainer = RLTrainer(model, optimizer, tokenizer, settings, executor=resources.client,
                                 scorer=resources.scorer, weight_sync=builders.weight_sync(config, resources),
                                 generator=resources.engine, scheduler=resources.scheduler, template=template,
