@@ -482,3 +482,23 @@ def test_out_of_vocabulary_ids_never_reach_the_server(tmp_path):
     errors = run_with([told, read], body)
     assert all("input_ids[2] = 400 is outside the model's vocabulary [0, 400)" in e for e in errors)
     assert not told.dead and not read.dead
+
+
+def test_an_sglang_router_is_refused_as_a_generator_with_what_to_do():
+    """sglang-router's /get_server_info describes the router, and it answers 404 to pause, weight
+    updates and loads: a router URL among the generators gets an error that says to list its workers."""
+    class Router(StandIn):
+        def app(self):
+            app = web.Application()
+            app.router.add_get("/get_server_info", self.router_info)
+            return app
+
+        async def router_info(self, request):
+            return web.json_response({"router_manager": True, "routers_count": 1, "workers_count": 2})
+
+    async def body(router):
+        async with SGLangGenerator(router.url) as gen:
+            with pytest.raises(SGLangError, match="is an sglang-router, not a server: list its workers"):
+                await gen.capacity()
+
+    run_with([Router("2026")], body)

@@ -343,6 +343,10 @@ class SGLangGenerator:
     # -- control plane ------------------------------------------------------------------------
     async def server_info(self) -> dict:
         _, body = await self._request("GET", "/get_server_info")
+        if isinstance(body, dict) and ("router_manager" in body or "workers_count" in body):
+            raise SGLangError(f"{self.base_url} is an sglang-router, not a server: list its workers as generators "
+                              f"instead (the KV scheduler places turns on them itself, and pause, weight updates "
+                              f"and loads must reach each worker; the router answers 404 to those)")
         if not isinstance(body, dict) or "max_total_num_tokens" not in body:
             raise SGLangError(f"{self.base_url}/get_server_info: no max_total_num_tokens in {str(body)[:200]}")
         self._info = body
