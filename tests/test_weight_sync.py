@@ -193,6 +193,9 @@ def test_distributed_sync_makes_the_servers_weights_the_trainers_bit_for_bit(ser
             first = (expected, got, await gen.generate(prompt, GREEDY), await gen.weight_version())
 
             bf16 = DistributedSync([gen], dtype="bfloat16", mode="pause", bucket_bytes=20_000, timeout_s=60)
+            # A trainer that died inside SGLang 0.5.23's weight-update session left it open: the
+            # next push closes it before opening its own.
+            assert await gen.begin_weight_update()
             await bf16.push(single, version=6)  # destroys the first group, joins anew
             plan = bf16._plan(single)
             expected16 = dict(hf_tensors(single, "bfloat16"))
@@ -201,6 +204,8 @@ def test_distributed_sync_makes_the_servers_weights_the_trainers_bit_for_bit(ser
             await bf16.close()
             with pytest.raises(SGLangError, match="does not exist"):
                 await gen.destroy_weights_update_group()
+            with pytest.raises(SGLangError, match="no weight-update session is open"):
+                await gen.end_weight_update()  # every push closed the session it opened
             return first, second
 
     (expected, got, generated, version), (expected16, got16, generated16, version16, plan) = asyncio.run(run())

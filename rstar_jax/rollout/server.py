@@ -202,6 +202,7 @@ class EngineServer:
         self.load_tensors = load_tensors
         self.read_tensor = read_tensor
         self._groups: dict[str, weight_transfer.WeightUpdateGroup] = {}  # weight-update groups by name
+        self._weight_session = False  # SGLang 0.5.23's begin/end_weight_update bracket is open
         self.tp_size = tp_size
         self.weight_version = str(engine.version)
         self._update_lock = asyncio.Lock()
@@ -213,7 +214,7 @@ class EngineServer:
             ("POST", "/generate", self.generate), ("PUT", "/generate", self.generate),
             ("POST", "/abort_request", self.abort_request),
             ("GET", "/get_server_info", self.server_info), ("GET", "/server_info", self.server_info),
-            ("GET", "/get_model_info", self.model_info),
+            ("GET", "/get_model_info", self.model_info), ("GET", "/model_info", self.model_info),
             ("GET", "/v1/loads", self.loads), ("GET", "/get_load", self.get_load),
             ("GET", "/health", self.health), ("GET", "/health_generate", self.health_generate),
             ("GET", "/flush_cache", self.flush_cache), ("POST", "/flush_cache", self.flush_cache),
@@ -221,6 +222,8 @@ class EngineServer:
             ("POST", "/init_weights_update_group", self.init_weights_update_group),
             ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed),
             ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group),
+            ("POST", "/begin_weight_update", self.begin_weight_update),
+            ("POST", "/end_weight_update", self.end_weight_update),
             ("GET", "/get_weights_by_name", self.get_weights_by_name),
             ("POST", "/get_weights_by_name", self.get_weights_by_name),
             ("POST", "/pause_generation", self.pause), ("POST", "/continue_generation", self.resume),
@@ -679,6 +682,20 @@ class EngineServer:
             if body.get("weight_version") is not None:
                 self.weight_version = str(body["weight_version"])
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def begin_weight_update(self, request: web.Request) -> web.Response:
+        """SGLang 0.5.23's session around distributed updates, for clients that open one: this server
+        swaps whole updates atomically, so it only keeps SGLang's rule that sessions do not nest."""
+        if self._weight_session:
+            return _weights_error("a weight-update session is already open; call end_weight_update() first")
+        self._weight_session = True
+        return web.json_response({"success": True, "message": "Success"})
+
+    async def end_weight_update(self, request: web.Request) -> web.Response:
+        if not self._weight_session:
+            return _weights_error("no weight-update session is open; call begin_weight_update() first")
+        self._weight_session = False
+        return web.json_response({"success": True, "message": "Success"})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = await _json_or_empty(request)

@@ -179,6 +179,7 @@ class SGLangGenerator:
         self._version = 0
         self._info: dict | None = None  # /get_server_info, cached: server arguments do not change
         self._no_info = False  # the server has no /get_server_info (a minimal stand-in)
+        self._weight_sessions: bool | None = None  # whether it has /begin_weight_update (SGLang 0.5.23)
         self._load_route: str | None = None  # the first of LOAD_ROUTES this server answers
         self._pause_body: bool | None = None  # whether /pause_generation accepts {"mode": ...}
         self._determinism_checked = False
@@ -567,6 +568,34 @@ class SGLangGenerator:
         if version is not None:
             self._version = version
         return body
+
+    async def begin_weight_update(self) -> bool:
+        """Opens the server's weight-update session: SGLang 0.5.23 loads distributed (and tensor)
+        updates only between `/begin_weight_update` and `/end_weight_update`. A session an earlier
+        trainer left open is closed first. False where the route is absent (older builds): updates
+        load without one there."""
+        if self._weight_sessions is False:
+            return False
+        for attempt in range(2):
+            status, body = await self._request("POST", "/begin_weight_update", {}, retry=False, idempotent=False,
+                                               ok_statuses=(200, 400, *ABSENT_STATUSES))
+            if status in ABSENT_STATUSES:
+                self._weight_sessions = False
+                return False
+            if status == 200:
+                self._weight_sessions = True
+                return True
+            if attempt == 0 and "already open" in _error_message(body):
+                await self.end_weight_update()
+                continue
+            raise SGLangRejected(f"{self.base_url}/begin_weight_update: {_error_message(body)}")
+        raise AssertionError("unreachable")
+
+    async def end_weight_update(self) -> None:
+        """Closes the session `begin_weight_update` opened (no-op where the server has none)."""
+        if self._weight_sessions is False:
+            return
+        await self._weights_call("/end_weight_update", {})
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return await self._weights_call("/destroy_weights_update_group", {"group_name": group_name})

@@ -246,7 +246,8 @@ class DistributedSync(_ServerSync):
     joins (a rendezvous). Each push then sends the HF tensors in `dtype` (default the model's) in
     buckets of at most `bucket_bytes` (one larger tensor goes alone): for each bucket every server
     gets `/update_weights_from_distributed` while the trainer broadcasts the bucket's tensors in
-    order. `weight_version` goes with the last bucket. `backend`: "nccl" or "gloo" ("" = nccl when
+    order; on servers that keep weight-update sessions (SGLang 0.5.23) the buckets go inside one
+    (`/begin_weight_update` ... `/end_weight_update`). `weight_version` goes with the last bucket. `backend`: "nccl" or "gloo" ("" = nccl when
     the policy lives on GPUs, else gloo). `timeout_s` bounds the rendezvous and each broadcast.
     `close()` destroys the group on the servers. After a push, `timings` holds the seconds spent
     making the tensors (`export_s`: on-device cast and layout, gathers), sending them (`transfer_s`:
@@ -315,6 +316,8 @@ class DistributedSync(_ServerSync):
             if self.mode == "pause":
                 await asyncio.gather(*(g.pause("abort") for g in self._members))
         try:
+            if writer:  # SGLang 0.5.23 loads distributed updates only inside a session
+                await asyncio.gather(*(g.begin_weight_update() for g in self._members))
             tensors = self._tensors(model)
             plan = self._plan(model)
             for index, names in enumerate(plan):
@@ -333,6 +336,11 @@ class DistributedSync(_ServerSync):
                 group.close()
             raise
         finally:
+            if writer:
+                ended = await asyncio.gather(*(g.end_weight_update() for g in self._members), return_exceptions=True)
+                for gen, outcome in zip(self._members, ended):
+                    if isinstance(outcome, BaseException):
+                        log.warning("%s: closing the weight-update session failed: %s", gen.base_url, outcome)
             if writer and self.mode == "pause":
                 await asyncio.gather(*(g.resume() for g in self._members), return_exceptions=True)
         multihost.barrier(f"weights {version} broadcast")
