@@ -50,19 +50,21 @@ class StandIn:
         self.url = None
         self.runner = None
 
+    def routes(self):
+        """(method, path, handler) of every route this server version has."""
+        routes = [("GET", "/health_generate", self.health_generate), ("GET", "/get_server_info", self.server_info),
+                  ("GET", "/get_load", self.get_load), ("POST", "/generate", self.generate),
+                  ("POST", "/pause_generation", self.pause), ("POST", "/continue_generation", self.resume),
+                  ("POST", "/update_weights_from_disk", self.update_weights),
+                  ("GET", "/get_weight_version", self.get_weight_version)]
+        if self.version == "2026":
+            routes.append(("GET", "/v1/loads", self.v1_loads))
+        return routes
+
     def app(self):
         app = web.Application()
-        r = app.router
-        r.add_get("/health_generate", self.health_generate)
-        r.add_get("/get_server_info", self.server_info)
-        r.add_get("/get_load", self.get_load)
-        r.add_post("/generate", self.generate)
-        r.add_post("/pause_generation", self.pause)
-        r.add_post("/continue_generation", self.resume)
-        r.add_post("/update_weights_from_disk", self.update_weights)
-        r.add_get("/get_weight_version", self.get_weight_version)
-        if self.version == "2026":
-            r.add_get("/v1/loads", self.v1_loads)
+        for method, path, handler in self.routes():
+            app.router.add_route(method, path, handler)
         return app
 
     async def start(self):
@@ -205,10 +207,8 @@ def test_capacity_sums_every_dp_rank(late_2025, v2026):
 
 def test_capacity_without_any_load_route_uses_server_info():
     class InfoOnly(StandIn):
-        def app(self):
-            app = web.Application()
-            app.router.add_get("/get_server_info", self.server_info)
-            return app
+        def routes(self):
+            return [("GET", "/get_server_info", self.server_info)]
 
     async def body(server):
         async with SGLangGenerator(server.url) as gen:
@@ -358,16 +358,10 @@ class StandIn0523(StandIn):
         self.context_length, self.vocab_size, self.model_path = context_length, vocab_size, model_path
         self.dead = False
 
-    def app(self):
-        app = web.Application()
-        r = app.router
-        r.add_get("/health_generate", self.health_generate)
-        r.add_get("/get_server_info", self.server_info)
-        r.add_get("/model_info", self.model_info)
-        r.add_get("/v1/loads", self.v1_loads)
-        r.add_post("/generate", self.generate)
-        r.add_post("/update_weights_from_disk", self.update_weights)
-        return app
+    def routes(self):
+        return [("GET", "/health_generate", self.health_generate), ("GET", "/get_server_info", self.server_info),
+                ("GET", "/model_info", self.model_info), ("GET", "/v1/loads", self.v1_loads),
+                ("POST", "/generate", self.generate), ("POST", "/update_weights_from_disk", self.update_weights)]
 
     async def server_info(self, request):
         self.calls.append(("/get_server_info", None))
@@ -488,10 +482,8 @@ def test_an_sglang_router_is_refused_as_a_generator_with_what_to_do():
     """sglang-router's /get_server_info describes the router, and it answers 404 to pause, weight
     updates and loads: a router URL among the generators gets an error that says to list its workers."""
     class Router(StandIn):
-        def app(self):
-            app = web.Application()
-            app.router.add_get("/get_server_info", self.router_info)
-            return app
+        def routes(self):
+            return [("GET", "/get_server_info", self.router_info)]
 
         async def router_info(self, request):
             return web.json_response({"router_manager": True, "routers_count": 1, "workers_count": 2})
