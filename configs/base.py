@@ -246,6 +246,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.sandbox.stream_cap_chars = config_dict.placeholder(int)  # > 0: cut stdout/stderr there; 0: kill past 64 KiB
     c.sandbox.error_format = config_dict.placeholder(str)  # "release" (one line) | "traceback"
     c.sandbox.preimports = config_dict.placeholder(bool)  # False: numpy/sympy imports count against timeout_s
+    # Modules tool code needs beside numpy, sympy and mpmath (e.g. ("scipy",)): the local sandbox
+    # pre-imports them (`--preimport`), and the run refuses a sandbox whose start-up self-test cannot
+    # import one (a running server must have been started with `--preimport` for each).
+    c.sandbox.preimport_modules = ()
     c.sandbox.verify_via = "sandbox"  # "sandbox" (Verify RPC) | "local" (process pool)
     # Seconds one reward verification may take before it scores 0 (RL and evaluation alike); our choice.
     c.sandbox.verify_timeout_s = 10.0

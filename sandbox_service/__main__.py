@@ -39,6 +39,9 @@ def parse_args(argv=None) -> tuple[ServerOptions, argparse.Namespace]:
                    help="auto: the strongest the machine allows; minimal: rlimits only (testing)")
     p.add_argument("--uid-base", type=int, default=d.uid_base,
                    help="first of the per-slot uids (default: a range derived from the server's pid)")
+    p.add_argument("--preimport", action="append", default=[], metavar="MODULE",
+                   help="a module the sci workers pre-import beside numpy, sympy and mpmath, and the start-up "
+                        "self-test checks tool code can import (repeat, or separate with commas)")
     p.add_argument("--parent-pid", type=int, help="stop when this process exits")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
@@ -46,7 +49,8 @@ def parse_args(argv=None) -> tuple[ServerOptions, argparse.Namespace]:
                          max_timeout_s=a.max_timeout_s, memory_mb=a.memory_mb, max_memory_mb=a.max_memory_mb,
                          max_queue=a.max_queue, output_limit_bytes=a.output_limit_bytes,
                          verify_timeout_s=a.verify_timeout_s, scratch_mb=a.scratch_mb, pids_max=a.pids_max,
-                         isolation=a.isolation, uid_base=a.uid_base, http_port=a.http_port)
+                         isolation=a.isolation, uid_base=a.uid_base, http_port=a.http_port,
+                         preimports=tuple(m.strip() for arg in a.preimport for m in arg.split(",") if m.strip()))
     try:
         opts.validate()
     except ValueError as e:

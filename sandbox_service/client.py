@@ -27,7 +27,7 @@ from typing import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 
 import grpc
 
-from sandbox_service import status
+from sandbox_service import selftest, status
 from sandbox_service._pb import pb2, pb2_grpc
 from sandbox_service.harness import ERROR_FORMATS
 
@@ -114,6 +114,26 @@ class ServerInfo:
     output_limit_bytes: int
     version: str
     uptime_s: float
+    import_checks: tuple = ()  # selftest.ImportCheck of the start-up self-test (servers from 1.2)
+    interpreter: str = ""
+
+    def self_test_failures(self, required=()) -> list[str]:
+        """Why tool code on this server cannot import what it needs: each failed check of the start-up
+        self-test, and each `required` module it did not check (the server was started without
+        `--preimport` for it). Empty: usable, or a server older than 1.2, which has no self-test."""
+        if not self.import_checks:
+            return []
+        problems = selftest.failures(self.import_checks, self.interpreter)
+        checked = {c.module for c in self.import_checks}
+        problems += [f"its self-test did not check {m}: start it with --preimport {m}" for m in required
+                     if m not in checked]
+        return problems
+
+    def describe(self) -> str:
+        """One line: the isolation in force and what tool code can import."""
+        imports = (f"tool code imports {selftest.summary(self.import_checks)} (cold and pre-imported)"
+                   if self.import_checks else f"no import self-test (server version {self.version or '?'})")
+        return f"{self.target}: isolation {self.isolation_level}; {imports}"
 
 
 class _Endpoint:
@@ -470,7 +490,9 @@ class SandboxClient:
                           capacity=r.capacity, queue_depth=r.queue_depth, in_flight=r.in_flight, max_queue=r.max_queue,
                           counters=dict(r.counters), default_timeout_s=r.default_timeout_s,
                           default_memory_mb=r.default_memory_mb, output_limit_bytes=r.output_limit_bytes,
-                          version=r.version, uptime_s=r.uptime_s)
+                          version=r.version, uptime_s=r.uptime_s, interpreter=r.interpreter,
+                          import_checks=tuple(selftest.ImportCheck(c.module, c.mode, c.ok, c.version, c.error, c.origin)
+                                              for c in r.import_checks))
 
     async def info_all(self) -> list[ServerInfo]:
         self._ensure_started()

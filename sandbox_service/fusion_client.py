@@ -49,7 +49,7 @@ from typing import Sequence
 
 import aiohttp
 
-from sandbox_service import harness, status
+from sandbox_service import harness, selftest, status
 from sandbox_service.client import ExecResult, backoff_delay, pick_endpoint
 from sandbox_service.harness import ERROR_FORMATS
 from sandbox_service.status import MAX_STREAM_CAP_CHARS, TRUNCATION_MARKER
@@ -194,6 +194,14 @@ class SandboxFusionExecutor:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
             return False
 
+    async def self_test(self, target: str, modules) -> list[selftest.ImportCheck]:
+        """What `Info`'s start-up self-test reports on our server, run as an ordinary call on `target`:
+        whether tool code imports each of `modules` (cold: SandboxFusion starts a fresh interpreter
+        per call)."""
+        result = await self.execute(selftest.probe_code(modules), timeout_s=selftest.TIMEOUT_S, target=target)
+        failure = f"the self-test call ended with status {result.status}: {(result.message or result.stderr).strip()[-300:]}"
+        return selftest.parse_probe(result.stdout, modules, "cold", failure=failure)
+
     # -- options -------------------------------------------------------------------------------------
     def _options(self, given: dict) -> dict:
         o = {name: given.get(name) if given.get(name) is not None else default
@@ -228,10 +236,17 @@ class SandboxFusionExecutor:
     async def execute(self, code: str, stdin: str = "", *, timeout_s: float | None = None,
                       memory_mb: int | None = None, stream_cap_chars: int | None = None,
                       error_format: str | None = None, cold_imports: bool | None = None,
-                      memory_address_space: bool | None = None) -> ExecResult:
-        """Runs `code` with `stdin` on one of the servers; the options as `SandboxClient.execute`'s
-        (None: this executor's default), those SandboxFusion cannot honour refused (module docstring)."""
+                      memory_address_space: bool | None = None, target: str | None = None) -> ExecResult:
+        """Runs `code` with `stdin` on one of the servers (`target`: on that one, retried there only);
+        the options as `SandboxClient.execute`'s (None: this executor's default), those SandboxFusion
+        cannot honour refused (module docstring)."""
         self._ensure_started()
+        pinned = None
+        if target is not None:
+            url = _check_url(target)
+            pinned = next((e for e in self._endpoints if e.url == url), None)
+            if pinned is None:
+                raise ValueError(f"execute: unknown target {target!r}; known: {self.targets}")
         if not isinstance(code, str):
             raise TypeError(f"code must be a str; got {type(code).__name__}")
         if not isinstance(stdin, str):
@@ -254,7 +269,7 @@ class SandboxFusionExecutor:
         for attempt in range(self.max_retries + 1):
             if attempt:
                 await asyncio.sleep(self._backoff(attempt - 1))
-            ep = self._pick()
+            ep = pinned or self._pick()
             target = ep.url
             ep.in_flight += 1
             try:

@@ -241,39 +241,80 @@ def prepare_worker_mounts(report: IsolationReport, *, keep_paths: list[str], new
         pass
 
 
+def outermost(paths) -> list[str]:
+    """The paths (absolute, normalised) none of whose ancestors is among them."""
+    paths = sorted({os.path.normpath(p) for p in paths})
+    return [p for p in paths if not any(p.startswith(q.rstrip("/") + "/") for q in paths if q != p)]
+
+
+_STATVFS_TO_MOUNT = ((os.ST_NOSUID, MS_NOSUID), (os.ST_NODEV, MS_NODEV), (os.ST_NOEXEC, MS_NOEXEC),
+                     (os.ST_NOATIME, MS_NOATIME), (os.ST_NODIRATIME, MS_NODIRATIME), (os.ST_RELATIME, MS_RELATIME))
+
+
+def mount_keeping(source: str | None, target: str, fstype: str | None, flags: int, data: str | None = None, *,
+                  keep=(), read_only: bool = False) -> list[str]:
+    """mount(2) over `target`, then bind back, read-only, each of `keep` that lay under it.
+
+    The calls' private /tmp, /dev/shm and /mnt must not hide the interpreter or its packages: a
+    virtual environment (or conda, or a container's site-packages) under any of them would otherwise
+    be out of sight of tool code, and every cold `import sympy` would fail. The kept directories are
+    opened before `target` is covered and bound back from those handles onto directories created in
+    the new mount (owned by the caller, mode 0755). `read_only`: the new mount is remounted read-only
+    once they are in place. Returns the kept paths."""
+    target = os.path.normpath(target)
+    inside = [p for p in outermost(keep) if p.startswith(target + "/")]
+    handles = []
+    try:
+        for path in inside:
+            try:
+                handles.append((path, os.open(path, os.O_PATH | os.O_DIRECTORY)))
+            except OSError:
+                continue  # gone, or not a directory: nothing to keep
+        mount(source, target, fstype, flags, data)
+        for path, fd in handles:
+            _make_dirs(path, target)
+            os.fchdir(fd)  # bind from the handle: the path itself now names the new mount's directory
+            mount(".", path, None, MS_BIND | MS_REC)
+            os.chdir("/")
+            current = os.statvfs(path).f_flag
+            if not current & os.ST_RDONLY:  # already so when the host view was made read-only
+                remount = MS_REMOUNT | MS_BIND | MS_RDONLY
+                for statvfs_flag, mount_flag in _STATVFS_TO_MOUNT:  # locked flags must be restated
+                    if current & statvfs_flag:
+                        remount |= mount_flag
+                mount(None, path, None, remount)
+        if read_only:
+            mount(None, target, None, MS_REMOUNT | MS_RDONLY | flags, data)
+    finally:
+        for _, fd in handles:
+            os.close(fd)
+    return [path for path, _ in handles]
+
+
+def _make_dirs(path: str, top: str) -> None:
+    """mkdir -p of `path` below `top`, each new directory mode 0755 whatever the umask."""
+    rel = os.path.relpath(path, top).split(os.sep)
+    current = top
+    for part in rel:
+        current = os.path.join(current, part)
+        try:
+            os.mkdir(current)
+            os.chmod(current, 0o755)
+        except FileExistsError:
+            pass
+
+
 def _expose_through_hidden_ancestors(report: IsolationReport, keep_paths: list[str]) -> None:
     """Interpreters often live under /root (mode 0700), which the per-slot uids cannot traverse.
-    Bind each such path to a staging tmpfs, cover the blocking ancestor with an empty tmpfs (which
-    also hides the rest of it), then bind the paths back at their original locations."""
-    paths = sorted({os.path.realpath(p) for p in keep_paths if _blocking_ancestor(p)})
-    todo = [p for p in paths if not any(p.startswith(q + "/") for q in paths)]  # outermost only
-    if not todo:
-        return
-    stage = next((d for d in ("/mnt", "/media", "/srv", "/opt") if os.path.isdir(d)), None)
-    if stage is None:
-        report.warnings.append(f"no directory to stage bind mounts; {todo} stay unreachable for the sandbox uids")
-        return
+    Cover each blocking ancestor with an empty tmpfs (mode 0755, which also hides the rest of it)
+    that keeps only these paths."""
+    paths = outermost(os.path.realpath(p) for p in keep_paths if _blocking_ancestor(p))
+    ancestors = outermost(_blocking_ancestor(p) for p in paths)
     try:
-        mount("sandbox-stage", stage, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0700")
-        staged = []
-        for i, path in enumerate(todo):
-            dst = f"{stage}/{i}"
-            os.mkdir(dst)
-            mount(path, dst, None, MS_BIND | MS_REC)
-            staged.append((path, dst))
-        covered = set()
-        for path, _ in staged:
-            anc = _blocking_ancestor(path)
-            if anc and anc not in covered:
-                mount("sandbox-hide", anc, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
-                covered.add(anc)
-        for path, dst in staged:
-            os.makedirs(path, mode=0o755, exist_ok=True)
-            mount(dst, path, None, MS_BIND | MS_REC)
-            umount(dst)
-        umount(stage)
+        for ancestor in ancestors:
+            mount_keeping("sandbox-hide", ancestor, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755", keep=paths)
     except OSError as e:
-        report.warnings.append(f"could not expose {todo} to the sandbox uids: {e}")
+        report.warnings.append(f"could not expose {paths} to the sandbox uids: {e}")
 
 
 # -- cgroups -----------------------------------------------------------------------------------------
@@ -631,14 +672,21 @@ class CallLimits:
     scratch_bytes: int
 
 
-def mount_call_scratch(limits: CallLimits, uid: int, gid: int) -> None:
+def mount_call_scratch(limits: CallLimits, *, keep=(), hide_mnt: bool = False) -> None:
     """In a fresh mount namespace: private size-capped tmpfs on /tmp (the call's working directory)
-    and /dev/shm (multiprocessing semaphores); both vanish with the call."""
+    and /dev/shm (multiprocessing semaphores); both vanish with the call. `keep`: the interpreter's
+    directories, which stay visible (read-only) under them; `hide_mnt`: also cover /mnt (where the
+    zygote keeps the slots' scratch). /tmp is a sticky, world-writable directory owned by the
+    namespace's root, as a host's is: the call cannot move what is kept there."""
     unshare(CLONE_NEWNS)
     size = limits.scratch_bytes
-    mount("sandbox-tmp", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-          f"size={size},nr_inodes=4096,mode=0700,uid={uid},gid={gid}")
-    mount("sandbox-shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},nr_inodes=1024,mode=1777")
+    mount_keeping("sandbox-tmp", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},nr_inodes=4096,mode=1777",
+                  keep=keep)
+    mount_keeping("sandbox-shm", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},nr_inodes=1024,mode=1777",
+                  keep=keep)
+    if hide_mnt:
+        mount_keeping("sandbox-hide", "/mnt", "tmpfs", MS_NOSUID | MS_NODEV, "size=4k,mode=0755", keep=keep,
+                      read_only=True)
 
 
 def apply_rlimits(limits: CallLimits, *, per_uid: bool) -> None:

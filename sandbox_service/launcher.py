@@ -29,14 +29,16 @@ import grpc
 from sandbox_service._pb import pb2, pb2_grpc
 
 _FLAGS = {"host", "slots", "timeout_s", "max_timeout_s", "memory_mb", "max_memory_mb", "max_queue",
-          "output_limit_bytes", "verify_timeout_s", "scratch_mb", "pids_max", "isolation", "uid_base", "log_level"}
+          "output_limit_bytes", "verify_timeout_s", "scratch_mb", "pids_max", "isolation", "uid_base", "log_level",
+          "preimport"}
 
 
 class LocalSandbox:
     def __init__(self, workers: int = 2, port: int = 0, *, http_port: int | None = None,
-                 start_timeout_s: float = 180.0, log_file=None, **server_opts):
+                 start_timeout_s: float = 180.0, log_file=None, python: str | None = None, **server_opts):
         """http_port: also serve SandboxFusion's HTTP API there (0: any free port; see `http_url`);
-        None: gRPC only."""
+        None: gRPC only. python: the interpreter that runs the server and the tool code (default:
+        this one). server_opts: the server's flags by name (`preimport`: a sequence of modules)."""
         unknown = set(server_opts) - _FLAGS
         if unknown:
             raise ValueError(f"LocalSandbox: unknown server options {sorted(unknown)}; known: {sorted(_FLAGS)}")
@@ -47,6 +49,7 @@ class LocalSandbox:
         self.server_opts = server_opts
         self.start_timeout_s = start_timeout_s
         self.log_file = log_file
+        self.python = python or sys.executable
         self.proc: subprocess.Popen | None = None
         self._dir: tempfile.TemporaryDirectory | None = None
 
@@ -67,12 +70,13 @@ class LocalSandbox:
         return f"http://{host}:{self.http_port}"
 
     def command(self, port_file: str) -> list[str]:
-        cmd = [sys.executable, "-m", "sandbox_service", "--port", str(self.port), "--workers", str(self.workers),
+        cmd = [self.python, "-m", "sandbox_service", "--port", str(self.port), "--workers", str(self.workers),
                "--port-file", port_file, "--parent-pid", str(os.getpid())]
         if self.http_port is not None:
             cmd += ["--http-port", str(self.http_port), "--http-port-file", port_file + ".http"]
         for key, value in self.server_opts.items():
-            cmd += [f"--{key.replace('_', '-')}", str(value)]
+            for one in (value if isinstance(value, (list, tuple)) else [value]):
+                cmd += [f"--{key.replace('_', '-')}", str(one)]
         return cmd
 
     def start(self) -> "LocalSandbox":
@@ -133,6 +137,7 @@ class LocalSandbox:
                 pass
             if proc.poll() is None:
                 proc.wait()
+            _wait_until_group_gone(proc.pid, timeout_s=5.0)  # killed processes are gone once reaped
         if self._dir is not None:
             self._dir.cleanup()
             self._dir = None
@@ -164,6 +169,16 @@ class LocalSandbox:
 
     async def __aexit__(self, *exc) -> None:
         await asyncio.to_thread(self.stop)
+
+
+def _wait_until_group_gone(pgid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.01)
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import itertools
 import logging
 import math
@@ -31,7 +32,7 @@ import time
 
 import grpc
 
-from sandbox_service import isolation, status
+from sandbox_service import isolation, selftest, status
 from sandbox_service._pb import pb2, pb2_grpc
 from sandbox_service.framing import encode, read_frame
 from sandbox_service.harness import ERROR_FORMATS
@@ -39,8 +40,10 @@ from sandbox_service.status import MAX_STREAM_CAP_CHARS
 
 log = logging.getLogger("sandbox_service")
 
-VERSION = "1.1"  # 1.1: ExecuteRequest.stream_cap_chars, error_format, cold_imports (a 1.0 server ignores them)
-_SCI_NAMES = re.compile(r"\b(?:numpy|sympy|scipy|mpmath|networkx|math_verify)\b")
+# 1.1: ExecuteRequest.stream_cap_chars, error_format, cold_imports (a 1.0 server ignores them);
+# 1.2: InfoReply.import_checks, interpreter (the start-up self-test)
+VERSION = "1.2"
+_SCI_MODULES = ("numpy", "sympy", "scipy", "mpmath", "networkx", "math_verify")  # a call naming one runs on "sci"
 _LEVEL_ORDER = {"minimal": 0, "partial": 1, "full": 2}
 UID_STRIDE = 4096  # uids reserved per server when uid_base is derived from the pid
 HANG_SLACK_S = 10.0  # a worker that has not answered this long after a call's deadline is hung
@@ -71,6 +74,14 @@ class ServerOptions:
     # Also serve SandboxFusion's HTTP API (sandbox_service.fusion_api) on this port of `host`; 0: any
     # free port; None: gRPC only.
     http_port: int | None = None
+    # Modules the "sci" workers pre-import beside numpy, sympy and mpmath; the start-up self-test
+    # checks that tool code imports each, and a call naming one runs on "sci".
+    preimports: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def sci_names(self) -> re.Pattern:
+        names = sorted({*_SCI_MODULES, *(m.split(".")[0] for m in self.preimports)})
+        return re.compile(r"\b(?:" + "|".join(map(re.escape, names)) + r")\b")
 
     def validate(self) -> None:
         checks = [("workers", self.workers >= 1), ("slots", self.slots >= 1),
@@ -87,6 +98,7 @@ class ServerOptions:
         bad = [name for name, ok in checks if not ok]
         if bad:
             raise ValueError(f"invalid server options: {', '.join(f'{b}={getattr(self, b)!r}' for b in bad)}")
+        selftest.check_module_names(self.preimports, "preimports")
 
 
 class WorkerLost(Exception):
@@ -133,6 +145,8 @@ class WorkerHandle:
                "--isolation", o.isolation, "--uid-base", str(o.uid_base + self.global_index * o.slots),
                "--ns-root-uid", str(o.uid_base - 1), "--pids-max", str(o.pids_max),
                "--scratch-mb", str(o.scratch_mb), "--output-limit", str(o.output_limit_bytes)]
+        if self.flavour == "sci":
+            cmd += [arg for name in o.preimports for arg in ("--preimport", name)]
         env = dict(os.environ)
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -262,6 +276,7 @@ class Pool:
         self.counters: dict[str, int] = {s: 0 for s in status.ALL}
         self.counters.update(worker_restarts=0, retried=0, verify_calls=0)
         self._tasks: list[asyncio.Task] = []
+        self.import_checks: list[selftest.ImportCheck] = []  # the start-up self-test's
 
     @property
     def capacity(self) -> int:
@@ -288,6 +303,25 @@ class Pool:
             if not any(os.path.isdir(f"{r}/sandbox_service/{self.instance}") for r in roots):
                 break
             await asyncio.sleep(0.02)
+
+    async def self_test(self) -> list[selftest.ImportCheck]:
+        """Imports every expected module in one call per mode (see sandbox_service.selftest); kept in
+        `import_checks` for Info."""
+        modules = (*selftest.STANDARD_MODULES, *self.options.preimports)
+        code = selftest.probe_code(modules).encode()
+        timeout = min(selftest.TIMEOUT_S, self.options.max_timeout_s)
+        options = {"stream_cap_chars": 0, "error_format": "", "memory_address_space": False}
+
+        async def one(mode: str, flavour: str) -> list[selftest.ImportCheck]:
+            self.in_flight += 1  # admitted: run() releases it
+            header, blobs = await self.run("exec", flavour, [code, b""], timeout, self.options.memory_mb, options)
+            failure = (f"the self-test call ended with status {header['status']}: "
+                       f"{(header.get('message') or blobs[1].decode(errors='replace')).strip()[-300:]}")
+            return selftest.parse_probe(blobs[0].decode(errors="replace"), modules, mode, failure=failure, locate=True)
+
+        cold, preimported = await asyncio.gather(one("cold", "lean"), one("preimported", "sci"))
+        self.import_checks = cold + preimported
+        return self.import_checks
 
     def isolation_summary(self) -> dict:
         reports = [w.report for w in self.all_workers() if w.report]
@@ -394,7 +428,7 @@ def exec_args(o: ServerOptions, code: str, stdin: str, *, timeout_s: float = 0.0
                          f"{o.output_limit_bytes}, which kills the call); got {stream_cap_chars}")
     if error_format not in ERROR_FORMATS:
         raise ValueError(f"error_format must be one of {ERROR_FORMATS}; got {error_format!r}")
-    flavour = "sci" if _SCI_NAMES.search(code) and not cold_imports else "lean"
+    flavour = "sci" if o.sci_names.search(code) and not cold_imports else "lean"
     options = {"stream_cap_chars": int(stream_cap_chars), "error_format": error_format,
                "memory_address_space": bool(memory_address_space)}
     return [code_b, stdin_b], timeout, memory, flavour, options
@@ -504,8 +538,9 @@ class SandboxServicer(pb2_grpc.SandboxServicer):
             capacity=self.pool.capacity, queue_depth=self.pool.queue_depth(), in_flight=self.pool.in_flight,
             max_queue=self.options.max_queue, counters=self.pool.counters, default_timeout_s=self.options.timeout_s,
             default_memory_mb=self.options.memory_mb, output_limit_bytes=self.options.output_limit_bytes,
-            version=VERSION,
-            uptime_s=time.monotonic() - self.started)
+            version=VERSION, uptime_s=time.monotonic() - self.started,
+            import_checks=[pb2.ImportCheck(**dataclasses.asdict(c)) for c in self.pool.import_checks],
+            interpreter=sys.executable)
 
 
 GRPC_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -528,6 +563,12 @@ async def serve(options: ServerOptions, *, port_file: str | None = None, http_po
         missing = ", ".join(k for k, v in summary["features"].items() if not v) or "-"
         log.warning("!!! DEGRADED ISOLATION: level %r; missing: %s; %s !!!", summary["level"], missing,
                     "; ".join(summary["warnings"]))
+    checks = await pool.self_test()
+    failed = [c for c in checks if not c.ok]
+    if failed:  # served all the same: Info carries it, and clients refuse it (ServerInfo.self_test_failures)
+        log.error("!!! SELF-TEST FAILED: %s !!!", "; ".join(selftest.failures(failed, sys.executable)))
+    else:
+        log.info("self-test: tool code imports %s (cold and pre-imported)", selftest.summary(checks))
     server = grpc.aio.server(options=GRPC_OPTIONS)
     pb2_grpc.add_SandboxServicer_to_server(SandboxServicer(pool), server)
     port = server.add_insecure_port(f"{options.host}:{options.port}")

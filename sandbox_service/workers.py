@@ -124,8 +124,11 @@ class Call:
 
 class Zygote:
     def __init__(self, args, report: isolation.IsolationReport, *, mount_ns: bool,
-                 outer: tuple[int, int] | None = None):
+                 outer: tuple[int, int] | None = None, keep: list[str] = ()):
         self.args = args
+        self.keep = list(keep)  # the interpreter's directories: visible to every call, wherever they lie
+        self.kept: dict[str, set[str]] = {"tmp": set(), "shm": set()}  # their first names in a slot's scratch
+        self.slots_on_mnt = False
         self.outer = outer  # (request fd, response fd) to the outer process, which can write our id maps
         self.report = report
         self.mount_ns = mount_ns
@@ -210,15 +213,19 @@ class Zygote:
         a = self.args
         ns_root = a.ns_root_uid if self.outer is not None and os.geteuid() == 0 else os.geteuid()
         try:
-            isolation.mount("sandbox-slots", "/mnt", "tmpfs", isolation.MS_NOSUID | isolation.MS_NODEV,
-                            f"size=1m,mode=0700,uid={ns_root},gid={ns_root}")
+            isolation.mount_keeping("sandbox-slots", "/mnt", "tmpfs", isolation.MS_NOSUID | isolation.MS_NODEV,
+                                    f"size=1m,mode=0700,uid={ns_root},gid={ns_root}", keep=self.keep)
+            self.slots_on_mnt = True
             for slot in self.slots:
-                root = f"/mnt/{slot.index}"
+                root = f"/mnt/sandbox-slot-{slot.index}"
                 os.mkdir(root)
                 isolation.mount("sandbox-slot", root, "tmpfs", isolation.MS_NOSUID | isolation.MS_NODEV,
                                 f"size={a.scratch_mb << 20},nr_inodes=4096,mode=0755,uid={ns_root},gid={ns_root}")
-                os.mkdir(f"{root}/tmp", 0o700)
-                os.chown(f"{root}/tmp", slot.uid, slot.gid)
+                # /tmp as a host's: sticky and world-writable, owned by root, so that the call can
+                # neither move nor fill what is kept in it (a virtual environment under /tmp)
+                os.mkdir(f"{root}/tmp")
+                os.chmod(f"{root}/tmp", 0o1777)
+                os.chown(f"{root}/tmp", ns_root, ns_root)
                 os.mkdir(f"{root}/shm")
                 os.chmod(f"{root}/shm", 0o1777)
                 os.chown(f"{root}/shm", ns_root, ns_root)
@@ -248,6 +255,9 @@ class Zygote:
         for slot, fd in zip(self.slots, fds):
             slot.ns_fd = fd
         self.slot_namespaces = True
+        for sub, target in (("tmp", "/tmp"), ("shm", "/dev/shm")):
+            self.kept[sub] = {os.path.relpath(p, target).split(os.sep)[0]
+                              for p in isolation.outermost(self.keep) if p.startswith(target + "/")}
 
     def _slot_namespace(self, slot: Slot) -> int:
         # The helper sends its namespace as an fd: after the user namespace, /proc (hidepid=2, owned
@@ -259,10 +269,10 @@ class Zygote:
             try:
                 ours.close()
                 isolation.unshare(isolation.CLONE_NEWNS)
-                isolation.mount(f"{slot.scratch}/tmp", "/tmp", None, isolation.MS_BIND)
-                isolation.mount(f"{slot.scratch}/shm", "/dev/shm", None, isolation.MS_BIND)
-                flags = isolation.MS_NOSUID | isolation.MS_NODEV | isolation.MS_RDONLY
-                isolation.mount("sandbox-hide", "/mnt", "tmpfs", flags, "size=4k,mode=0755")
+                isolation.mount_keeping(f"{slot.scratch}/tmp", "/tmp", None, isolation.MS_BIND, keep=self.keep)
+                isolation.mount_keeping(f"{slot.scratch}/shm", "/dev/shm", None, isolation.MS_BIND, keep=self.keep)
+                isolation.mount_keeping("sandbox-hide", "/mnt", "tmpfs", isolation.MS_NOSUID | isolation.MS_NODEV,
+                                        "size=4k,mode=0755", keep=self.keep, read_only=True)
                 fd = os.open("/proc/self/ns/mnt", os.O_RDONLY)
                 socket.send_fds(theirs, [b"k"], [fd])
             except BaseException as e:  # noqa: BLE001 - reported through the exit code
@@ -282,11 +292,15 @@ class Zygote:
             ours.close()
 
     def _clean_slot_scratch(self, slot: Slot) -> None:
-        """Empties the slot's tmp/ and shm/ (its processes are gone) before the next call."""
-        for sub, mode in (("tmp", 0o700), ("shm", 0o1777)):
+        """Empties the slot's tmp/ and shm/ (its processes are gone) before the next call, but for
+        the directories the kept interpreter paths are mounted on in the slot's namespace (removing
+        one there would detach the mount)."""
+        for sub, mode in (("tmp", 0o1777), ("shm", 0o1777)):
             path = f"{slot.scratch}/{sub}"
             with os.scandir(path) as entries:
                 for entry in entries:
+                    if entry.name in self.kept[sub]:
+                        continue
                     if entry.is_dir(follow_symlinks=False):
                         shutil.rmtree(entry.path, ignore_errors=True)
                     else:
@@ -357,7 +371,7 @@ class Zygote:
                     slot.cgroups.set_memory_limit(64 << 20)
                     slot.cgroups.attach_self()
                 if self.mount_ns:
-                    isolation.mount_call_scratch(self._limits_for_probe(), slot.uid, slot.gid)
+                    isolation.mount_call_scratch(self._limits_for_probe(), keep=self.keep, hide_mnt=self.slots_on_mnt)
                 isolation.drop_privileges(slot.uid, slot.gid)
             except BaseException as e:  # noqa: BLE001 - reported to the parent through the exit code
                 os.write(2, f"user namespace probe: {e!r}\n".encode())
@@ -583,7 +597,7 @@ class Zygote:
             if slot.ns_fd is not None:
                 os.chdir("/tmp")
             elif self.mount_ns:
-                isolation.mount_call_scratch(self._scratch_limits(), slot.uid, slot.gid)
+                isolation.mount_call_scratch(self._scratch_limits(), keep=self.keep, hide_mnt=self.slots_on_mnt)
                 os.chdir("/tmp")
             else:
                 os.chdir(scratch_dir)
@@ -906,9 +920,9 @@ def _pids_of_uid(uid: int) -> list[int]:
     return pids
 
 
-def _preload(flavour: str) -> list[str]:
+def _preload(flavour: str, extra: list[str]) -> list[str]:
     missing = []
-    for name in FLAVOURS[flavour]:
+    for name in (*FLAVOURS[flavour], *extra):
         try:
             importlib.import_module(name)
         except ImportError:
@@ -918,10 +932,19 @@ def _preload(flavour: str) -> list[str]:
     return missing
 
 
-def hidden_by_private_tmp() -> list[str]:
-    """The interpreter's module directories that lie under /tmp: calls get a private /tmp (their
-    working directory), so these are out of their sight."""
-    return sorted({p for p in sys.path if p and os.path.realpath(p).startswith("/tmp/") and os.path.isdir(p)})
+def interpreter_paths() -> list[str]:
+    """The directories tool code needs to see to run this interpreter and import what it can: its
+    prefixes, its executable's directory and the directories on sys.path (PYTHONPATH, site-packages,
+    .pth and editable installs) but the first, the server's working directory that `-m` put there;
+    each as written and as resolved (a symlinked environment is reached by both)."""
+    paths = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(sys.executable),
+             os.path.dirname(os.path.realpath(sys.executable))]
+    paths += [p for p in sys.path[1:] if p]
+    out = set()
+    for p in paths:
+        if os.path.isdir(p):
+            out.update((os.path.abspath(p), os.path.realpath(p)))
+    return sorted(out)
 
 
 def _warm_up_sci(missing: list[str]) -> None:
@@ -980,6 +1003,7 @@ def parse_args(argv=None):
     p.add_argument("--open-files", type=int, default=256)
     p.add_argument("--scratch-mb", type=int, default=64)
     p.add_argument("--output-limit", type=int, default=64 << 10)
+    p.add_argument("--preimport", action="append", default=[], help="a module to pre-import beside the flavour's")
     return p.parse_args(argv)
 
 
@@ -989,15 +1013,10 @@ def main(argv=None) -> None:
                         format=f"%(asctime)s worker {args.flavour}{args.index} %(levelname)s %(message)s")
     for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMEXPR_NUM_THREADS"):
         os.environ[k] = "1"  # before numpy is imported: no BLAS thread pools at fork time
-    missing = _preload(args.flavour)
+    missing = _preload(args.flavour, args.preimport)
     report = isolation.IsolationReport()
     if missing:
         report.warnings.append(f"modules not available for pre-import: {', '.join(missing)}")
-    hidden = hidden_by_private_tmp()
-    if hidden:
-        report.warnings.append(f"{', '.join(hidden)} under /tmp, which every call sees as its own empty tmpfs: a "
-                               f"call cannot import packages from there unless its worker pre-imported them "
-                               f"(cold_imports calls fail); install the environment outside /tmp")
     new_pid_ns = False
     if args.isolation == "auto":
         new_pid_ns = isolation.enter_namespaces(report)
@@ -1032,14 +1051,13 @@ def main(argv=None) -> None:
             os._exit(3)
         outer = (req_w, resp_r)
     mount_ns = report.features["mount_namespace"]
+    keep = interpreter_paths()
     if mount_ns:
-        keep = [sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable))]
-        keep += [p for p in sys.path if p and os.path.isdir(p)]
         isolation.prepare_worker_mounts(report, keep_paths=keep, new_proc=new_pid_ns)
     else:
         report.set("readonly_host", False, "no mount namespace")
         report.set("hidden_proc", False, "no mount namespace")
-    zygote = Zygote(args, report, mount_ns=mount_ns, outer=outer)
+    zygote = Zygote(args, report, mount_ns=mount_ns, outer=outer, keep=keep)
     zygote.setup()
     zygote.serve()
 

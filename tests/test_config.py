@@ -213,6 +213,8 @@ def test_tiny_config_describes_a_tiny_model():
     ({"sandbox.preset": "code-judge"}, r"config.sandbox.preset: must be one of \('release', 'rich'\)"),
     ({"sandbox.memory_mb": 8}, r"config.sandbox.memory_mb: must be an integer >= 16, got 8"),
     ({"sandbox.error_format": "short"}, r"config.sandbox.error_format: must be one of \('traceback', 'release'\)"),
+    ({"sandbox.preimport_modules": ("scipy", "not a module")},
+     r"config.sandbox.preimport_modules: 'not a module' is not a module name"),
     ({"sandbox.api": "http"}, r"config.sandbox.api: must be one of \('grpc', 'sandbox_fusion'\), got 'http'"),
     ({"sandbox.api": "sandbox_fusion"}, r"config.sandbox.verify_via: must be 'local' with "
                                         r"sandbox.api='sandbox_fusion': SandboxFusion has no Verify"),

@@ -87,6 +87,10 @@ def test_rl_mode_runs_two_steps_with_the_real_sandbox_and_engine(tmp_path):
                      "--config.eval.response_budget=32", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "[rl] done" in result.stdout
+    # The run's first line says what tool code can import (the sandbox's start-up self-test).
+    first = result.stdout.splitlines()[0]
+    assert first.startswith("[rl] sandbox 127.0.0.1:") and "tool code imports numpy " in first, first
+    assert "sympy " in first and "mpmath " in first and "(cold and pre-imported)" in first
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     records = [r for r in lines if "rollout/reward_mean" in r]
     assert [r["step"] for r in records] == [1, 2]
@@ -100,6 +104,22 @@ def test_rl_mode_runs_two_steps_with_the_real_sandbox_and_engine(tmp_path):
         report = json.loads((run / "eval" / f"step_{r['step']}" / "report.json").read_text())
         assert report["overall"]["num_samples"] == 3 * 2
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["1", "2"]
+
+
+def test_a_sandbox_whose_tool_code_cannot_import_a_module_is_refused_before_work(tmp_path):
+    """sandbox.preimport_modules names a module the sandbox's interpreter lacks: the local sandbox's
+    start-up self-test fails, and the run's readiness wait refuses it with what and where, exit 2,
+    before data, model or SFT."""
+    run = tmp_path / "run"
+    result = _launch(f"--config.run_dir={run}", "--config.sandbox.preimport_modules=('numpy', 'no_such_package')",
+                     cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert errors[0].startswith("error: the sandbox at 127.0.0.1:") and errors[0].endswith("failed its start-up self-test:")
+    assert errors[1] == ("error: tool code cannot import no_such_package (in a fresh interpreter or pre-imported: "
+                         "under either preset): ModuleNotFoundError: No module named 'no_such_package'; it is not "
+                         f"installed for the sandbox's interpreter {sys.executable}")
+    assert len(errors) == 2 and "[sft]" not in result.stdout and not any(run.iterdir())
 
 
 def test_rl_on_two_serve_servers_behind_the_kv_scheduler(tmp_path, tiny_run_dir):

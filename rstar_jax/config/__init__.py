@@ -56,6 +56,7 @@ from rstar_jax.train.weight_sync import SYNC_METHODS, SYNC_MODES
 T = TypeVar("T")
 
 SANDBOX_APIS = ("grpc", "sandbox_fusion")  # config.sandbox.api
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")  # sandbox.preimport_modules
 REPO_CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 DEFAULT_CONFIG = REPO_CONFIGS / "tiny.py"
 BASE_CONFIG = REPO_CONFIGS / "base.py"
@@ -572,6 +573,9 @@ def _check_values(check: Checker) -> None:
                                       "SandboxFusion URLs ('http://host:port')")
         targets = ()
     check.positive_int("sandbox.workers")
+    bad = [m for m in check.strings("sandbox.preimport_modules") if not _MODULE_NAME.fullmatch(m)]
+    check.require(not bad, "sandbox.preimport_modules",
+                  f"{bad[0] if bad else ''!r} is not a module name (dotted Python identifiers, e.g. 'scipy.stats')")
     check.range("sandbox.verify_timeout_s", 0.0, None, low_open=True)
     env = check.build(lambda: ToolEnv.from_config(config))  # sandbox.preset and the fields that override it
     if check.enum("sandbox.verify_via", SCORER_MODES) and fusion:

@@ -43,7 +43,7 @@ from rstar_jax.data.datasets import (
     read_conversations,
 )
 from rstar_jax.data.synthetic import prepare_synthetic_data, write_held_out
-from rstar_jax.errors import ConfigError
+from rstar_jax.errors import ConfigError, UserError
 from rstar_jax.evaluation.questions import Question, load_questions
 from rstar_jax.model.hf import load_pretrained, save_pretrained
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
@@ -60,6 +60,7 @@ from rstar_jax.train.metrics import MetricsWriter
 from rstar_jax.train.rl_batch import row_length_for
 from rstar_jax.train.sft import SftBatches, SftSkips, sft_sequences
 from rstar_jax.train.weight_sync import DiskSync, DistributedSync, EngineSync, WeightSync
+from sandbox_service import selftest
 from sandbox_service.client import SandboxClient
 from sandbox_service.fusion_client import SandboxFusionExecutor
 from sandbox_service.launcher import LocalSandbox
@@ -387,7 +388,8 @@ def sandbox(config) -> Iterator[list[str]]:
     env = ToolEnv.from_config(config)
     fusion = s.api == "sandbox_fusion"
     with LocalSandbox(workers=s.workers, memory_mb=env.memory_mb, timeout_s=env.timeout_s,
-                      verify_timeout_s=s.verify_timeout_s, http_port=0 if fusion else None) as local:
+                      verify_timeout_s=s.verify_timeout_s, http_port=0 if fusion else None,
+                      preimport=tuple(s.preimport_modules)) as local:
         yield [local.http_url if fusion else local.target]
 
 
@@ -432,6 +434,8 @@ class RolloutResources:
     generators: list[SGLangGenerator] = dataclasses.field(default_factory=list)  # servers, placed by
     scheduler: object = None  # the KV-aware (or round-robin) scheduler
     closers: list = dataclasses.field(default_factory=list)  # async callables run first on exit (weight sync)
+    # Per sandbox server, once ready: the isolation in force and what tool code imports (its self-test).
+    sandbox_reports: list[str] = dataclasses.field(default_factory=list)
 
 
 @contextlib.asynccontextmanager
@@ -444,11 +448,7 @@ async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine
     loop and is closed on exit. `vocab_size`: the policy's, which the servers' input ids are checked
     against (unknown: the clients read it from the served model's config.json where they can)."""
     s = config.sandbox
-    options = ToolEnv.from_config(config).sandbox_options()
-    if s.api == "sandbox_fusion":  # validate() has refused verify_via="sandbox" and what it cannot honour
-        client = SandboxFusionExecutor(list(targets), **options)
-    else:
-        client = SandboxClient(list(targets), **options)
+    client = tool_client(config, targets)
     scorer = make_scorer(s.verify_via, timeout_s=s.verify_timeout_s, sandbox_client=client)
     resources = RolloutResources(client=client, scorer=scorer, engine=engine)
     try:
@@ -468,7 +468,8 @@ async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine
                 resources.scheduler = RoundRobinScheduler(share)
         # The writer loads weights on every server; the others generate on their share only.
         await wait_until_ready(resources, config.rollout.ready_timeout_s,
-                               generators=None if multihost.is_writer() else generation_share(resources.generators))
+                               generators=None if multihost.is_writer() else generation_share(resources.generators),
+                               modules=tool_modules(config))
         yield resources
     finally:
         for close in resources.closers:
@@ -477,6 +478,37 @@ async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine
         await client.close()
         for generator in resources.generators:
             await generator.close()
+
+
+def tool_client(config, targets: Sequence[str]) -> ToolExecutor:
+    """The tool executor for `targets` (`sandbox.api`: a gRPC SandboxClient or a SandboxFusion
+    executor), with the tool environment's per-call defaults (`ToolEnv.from_config`)."""
+    options = ToolEnv.from_config(config).sandbox_options()
+    if config.sandbox.api == "sandbox_fusion":  # validate() has refused what it cannot honour
+        return SandboxFusionExecutor(list(targets), **options)
+    return SandboxClient(list(targets), **options)
+
+
+def tool_modules(config) -> tuple[str, ...]:
+    """What tool code must be able to import: numpy, sympy, mpmath and `sandbox.preimport_modules`."""
+    return (*selftest.STANDARD_MODULES, *config.sandbox.preimport_modules)
+
+
+def check_sandboxes(config, targets: Sequence[str]) -> list[str]:
+    """Before any work: waits (`rollout.ready_timeout_s`) for the sandboxes and refuses, with a
+    UserError, one whose tool code cannot import `tool_modules` (`wait_until_ready`). Returns a line
+    per sandbox: its isolation and what tool code imports."""
+    async def check() -> list[str]:
+        client = tool_client(config, targets)
+        try:
+            resources = RolloutResources(client=client, scorer=None)
+            await wait_until_ready(resources, config.rollout.ready_timeout_s, generators=[],
+                                   modules=tool_modules(config))
+            return resources.sandbox_reports
+        finally:
+            await client.close()
+
+    return asyncio.run(check())
 
 
 def generation_share(generators: Sequence) -> list:
@@ -490,22 +522,41 @@ def generation_share(generators: Sequence) -> list:
 
 
 async def wait_until_ready(resources: RolloutResources, timeout_s: float, interval_s: float = 1.0, *,
-                           generators: Sequence | None = None) -> None:
+                           generators: Sequence | None = None, modules: Sequence[str] = selftest.STANDARD_MODULES) -> None:
     """Waits until every generator server (`generators`, default all of `resources`') completes a
     generation (`/health_generate`) and every sandbox server answers `Info` (SandboxFusion: `/v1/ping`):
     a 14B server may load for minutes, and the first weight sync and step must not fail on it. A
-    ConfigError names the endpoints still not ready after `timeout_s`."""
+    ConfigError names the endpoints still not ready after `timeout_s`.
+
+    A sandbox that answers must also import `modules` in tool code: its start-up self-test (Info;
+    on SandboxFusion, the same probe run as a call). One that cannot is refused at once with a
+    UserError naming the module and where it is installed: otherwise every call importing it would
+    fail, and read to the policy like its own mistake. `resources.sandbox_reports` gets a line per
+    sandbox: its isolation and what tool code imports."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    fusion = isinstance(resources.client, SandboxFusionExecutor)
+    reports: dict[str, str] = {}
 
     async def sandbox_ready(target: str) -> bool:
         try:
-            if isinstance(resources.client, SandboxFusionExecutor):
-                return await resources.client.ping(target)
-            await resources.client.info(target)
-            return True
+            if fusion:
+                if not await resources.client.ping(target):
+                    return False
+            else:
+                info = await resources.client.info(target)
         except Exception:  # noqa: BLE001  (any failure to answer: not ready yet)
             return False
+        if fusion:
+            checks = await resources.client.self_test(target, modules)
+            problems = selftest.failures(checks)
+            reports[target] = f"{target}: tool code imports {selftest.summary(checks) or 'none of them'} (cold)"
+        else:
+            problems = info.self_test_failures(required=modules)
+            reports[target] = info.describe()
+        if problems:
+            raise UserError("\n".join([f"the sandbox at {target} failed its start-up self-test:", *problems]))
+        return True
 
     sandbox_probe = "/v1/ping" if isinstance(resources.client, SandboxFusionExecutor) else "Info"
     generators = resources.generators if generators is None else generators
@@ -515,6 +566,7 @@ async def wait_until_ready(resources: RolloutResources, timeout_s: float, interv
         ready = await asyncio.gather(*(probe() for probe in waiting.values()))
         waiting = {name: probe for (name, probe), ok in zip(waiting.items(), ready) if not ok}
         if not waiting:
+            resources.sandbox_reports = [reports[t] for t in resources.client.targets if t in reports]
             return
         if loop.time() >= deadline:
             raise ConfigError(f"config.rollout.ready_timeout_s: not ready after {timeout_s:g} s: {', '.join(waiting)} "

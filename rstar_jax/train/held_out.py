@@ -106,6 +106,8 @@ def _sample_pending(config, pending, *, k, loop, store, source, desc) -> dict[st
 
     async def run(targets):
         async with builders.rollout_resources(config, targets, engine=engine, urls=source.urls) as resources:
+            for line in resources.sandbox_reports:
+                print(f"[eval] sandbox {line}", flush=True)
             return await sample(config, resources, pending, k=k, loop=loop, store=store, tokenizer=tokenizer,
                                 template=template, desc=desc)
 

@@ -35,6 +35,16 @@ def run_stage(config) -> dict:
     run_dir = pathlib.Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     builders.continue_previous_stage(config)
+    with contextlib.ExitStack() as sandboxes:
+        targets: list[str] = []
+        if config.mode == "rl":  # a sandbox tool code cannot use is refused before any work
+            targets = sandboxes.enter_context(builders.sandbox(config))
+            for line in builders.check_sandboxes(config, targets):
+                print(f"[rl] sandbox {line}", flush=True)
+        return _run_stage(config, run_dir, targets)
+
+
+def _run_stage(config, run_dir: pathlib.Path, targets: list[str]) -> dict:
     tokenizer, template = builders.tokenizer(config), builders.template(config)
     train_files, sft_files = builders.prepare_data(config)
     model, mesh = builders.build_policy(config)
@@ -52,7 +62,8 @@ def run_stage(config) -> dict:
             if warm_up and config.checkpoint.export_hf_final:
                 builders.export_hf(config, model, tokenizer, run_dir / "hf" / "sft_warmup")  # the policy RL starts from
         if config.mode == "rl":
-            summary.update(run_rl(config, model, mesh, tokenizer, template, train_files, metrics, checkpointer))
+            summary.update(run_rl(config, model, mesh, tokenizer, template, train_files, metrics, checkpointer,
+                                  targets))
         if config.checkpoint.export_hf_final:
             # The next stage starts from here: `--config.model.hf_path=<run_dir>/hf/final`.
             builders.export_hf(config, model, tokenizer, run_dir / "hf" / "final")
@@ -137,7 +148,8 @@ def _restore(config, model, optimizer, tokenizer: Tokenizer, train_files, metric
 
 
 def run_rl(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTemplate, train_files,
-           metrics: MetricsWriter, checkpointer: Checkpointer) -> dict:
+           metrics: MetricsWriter, checkpointer: Checkpointer, targets: list[str]) -> dict:
+    """RL against the sandboxes at `targets` (`builders.sandbox`, checked by `builders.check_sandboxes`)."""
     optimizer_config = OptimizerConfig.from_config(config)
     optimizer = make_optimizer(model, optimizer_config)
     begin = _restore(config, model, optimizer, tokenizer, train_files, metrics, checkpointer)
@@ -174,8 +186,7 @@ def run_rl(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempla
 
     engine = builders.make_engine(config, model, mesh) if config.rollout.backend == "jax" else None
     try:
-        with builders.sandbox(config) as targets, \
-                (contextlib.nullcontext([]) if engine is not None else builders.local_servers(config, model)) as urls:
+        with (contextlib.nullcontext([]) if engine is not None else builders.local_servers(config, model)) as urls:
             if urls and config.rollout.local_servers:
                 print(f"[rl] generator servers: {' '.join(urls)}", flush=True)
             return asyncio.run(steps(targets, urls, engine))
