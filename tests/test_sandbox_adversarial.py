@@ -308,7 +308,10 @@ def test_filling_the_scratch_disk_is_contained_and_cleaned(sandbox):
         except OSError as e:
             print(errno.errorcode[e.errno], n > 0)
     """)
+    listing = "import os\nprint(sorted(os.listdir('.')), os.listdir('/dev/shm'))\n_ = open('x', 'w').write('ok')"
+    # A fresh call's /tmp holds only what keeps the interpreter in sight (an environment under /tmp).
+    before = run(sandbox, listing)
     r = run(sandbox, code)
     assert r.status == status.OK and r.stdout == "ENOSPC True\n", r
-    after = run(sandbox, "import os\nprint(os.listdir('.'), os.listdir('/dev/shm'))\n_ = open('x', 'w').write('ok')")
-    assert after.status == status.OK and after.stdout == "[] []\n", after
+    after = run(sandbox, listing)
+    assert after.status == status.OK and after.stdout == before.stdout and "'x'" not in before.stdout, after
