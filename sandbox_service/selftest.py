@@ -18,7 +18,6 @@ import re
 
 # What tool code imports in the rStar2 recipe; a server adds its `--preimport` modules.
 STANDARD_MODULES = ("numpy", "sympy", "mpmath")
-MODES = ("cold", "preimported")
 TIMEOUT_S = 120.0  # per self-test call: cold imports of numpy + sympy on a loaded machine, with room
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 _MARKER = "rstar-self-test:"
@@ -42,9 +41,11 @@ class ImportCheck:
     error: str = ""  # "<Exception>: <message>" of the failed import
     origin: str = ""  # where the server's own interpreter finds the module ("" when it does not)
 
-    def explain(self, interpreter: str = "") -> str:
-        """One line naming the module, why tool code cannot import it and where it is installed."""
-        how = ("in a fresh interpreter, as cold-import calls (the release preset) do" if self.mode == "cold"
+    def explain(self, interpreter: str = "", *, both_modes: bool = False) -> str:
+        """One line naming the module, why tool code cannot import it and where it is installed.
+        both_modes: the import failed alike in both modes."""
+        how = ("in a fresh interpreter or pre-imported: under either preset" if both_modes
+               else "in a fresh interpreter, as cold-import calls (the release preset) do" if self.mode == "cold"
                else "on the workers that pre-import it, as the rich preset's calls do")
         where = (f"the sandbox's interpreter finds it at {self.origin}" if self.origin
                  else f"it is not installed for the sandbox's interpreter{f' {interpreter}' if interpreter else ''}")
@@ -101,10 +102,7 @@ def failures(checks, interpreter: str = "") -> list[str]:
     lines = []
     for module, failed in by_module.items():
         if len(failed) > 1 and len({c.error for c in failed}) == 1:
-            c = failed[0]
-            lines.append(c.explain(interpreter).replace(
-                " (in a fresh interpreter, as cold-import calls (the release preset) do)",
-                " (in a fresh interpreter or pre-imported: under either preset)", 1))
+            lines.append(failed[0].explain(interpreter, both_modes=True))
         else:
             lines += [c.explain(interpreter) for c in failed]
     return lines
