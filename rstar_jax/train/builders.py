@@ -558,7 +558,7 @@ async def wait_until_ready(resources: RolloutResources, timeout_s: float, interv
             raise UserError("\n".join([f"the sandbox at {target} failed its start-up self-test:", *problems]))
         return True
 
-    sandbox_probe = "/v1/ping" if isinstance(resources.client, SandboxFusionExecutor) else "Info"
+    sandbox_probe = "/v1/ping" if fusion else "Info"
     generators = resources.generators if generators is None else generators
     waiting = {**{g.base_url: g.health for g in generators},
                **{t: functools.partial(sandbox_ready, t) for t in resources.client.targets}}
