@@ -8,7 +8,9 @@
 #   bash benchmarks/gpu_suite.sh --prepare   # here, with PyPI: .whl/ gets what the GPU image lacks
 #                                            # (Python 3.12 manylinux wheels) and this project's wheel
 #   bash benchmarks/gpu_suite.sh             # on the GPU machine, .whl/ carried beside the tree
-#   bash benchmarks/gpu_suite.sh --profile   # also profiler traces of the train step and decode
+#   bash benchmarks/gpu_suite.sh --profile   # also profiler traces of the train step and decode, and
+#                                            # their summaries (benchmarks/profile_summary.py); rejoin
+#                                            # a trace with `cat profile_decode.tgz.* | tar xz`
 #   bash benchmarks/gpu_suite.sh --sweep     # instead: train-step variants (remat, micro-batches, chunk,
 #                                            # parameter dtype, attention), ours only, one line each
 #   bash benchmarks/gpu_suite.sh --smoke     # CPU-sized shapes, to check the suite itself anywhere
@@ -20,8 +22,11 @@ cd "$(dirname "$0")/.."
 
 # What the GPU image lacks (its package list: the device tool's KINDS.md), at the versions Python
 # 3.12 resolves for this project; --no-deps, so each one's own needs are named too.
+# grpcio-tools compiles the sandbox's proto at import (the image has grpcio 1.84 but not the tools),
+# and needs protobuf >= 7.35, newer than the image's.
 WHEELS=(grain==0.2.18 array-record==0.8.6 ml-collections==1.1.0 math-verify==0.9.0
-        latex2sympy2-extended==1.11.0 antlr4-python3-runtime==4.13.2 portpicker==1.6.0 tensorboardX==2.6.5)
+        latex2sympy2-extended==1.11.0 antlr4-python3-runtime==4.13.2 portpicker==1.6.0 tensorboardX==2.6.5
+        grpcio-tools==1.84.0 protobuf==7.36.2)
 
 if [[ "${1:-}" == "--prepare" ]]; then
     set -e
@@ -111,9 +116,14 @@ part ceilings 60 "$PY" benchmarks/ceilings.py
 GPU_TESTS=$(grep -l "pytest.mark.gpu" tests/test_*.py | tr '\n' ' ')
 part gpu-tests 120 env JAX_PLATFORMS=cuda,cpu "$PY" -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS
 
-if (( PROFILE )); then  # the device tool returns files at most two folders down: pack the traces
+if (( PROFILE )); then
+    # Where the device's time went, in the log; the traces packed in parts of 15 MiB, since the device
+    # tool returns files at most two folders down and 16 MiB each.
     for kind in train decode; do
-        [[ -d /tmp/gpu_suite_profile_$kind ]] && tar czf "$OUT/profile_$kind.tgz" -C /tmp/gpu_suite_profile_$kind .
+        [[ -d /tmp/gpu_suite_profile_$kind ]] || continue
+        part "profile-summary $kind" 60 "$PY" benchmarks/profile_summary.py /tmp/gpu_suite_profile_$kind \
+            --top 20 --json "$OUT/profile_summary_$kind.json"
+        tar czf - -C /tmp/gpu_suite_profile_$kind . | split -b 15M -d - "$OUT/profile_$kind.tgz."
     done
 fi
 echo
