@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config  # noqa: E402
-from rstar_jax.rollout.engine import JaxEngine  # noqa: E402
+from rstar_jax.engine.jax_engine import JaxEngine  # noqa: E402
 from rstar_jax.rollout.protocol import SamplingParams  # noqa: E402
 
 from ceilings import copy_bandwidth, hf_peer_config, run_peer  # noqa: E402 (benchmarks/ceilings.py)

@@ -46,7 +46,7 @@ from rstar_jax.rollout.scheduler import (  # noqa: E402
     RoundRobinScheduler,
 )
 from rstar_jax.rollout.sglang import SGLangGenerator  # noqa: E402
-from rstar_jax.rollout.local_server import LocalServer  # noqa: E402
+from rstar_jax.engine.local_server import LocalServer  # noqa: E402
 
 
 @dataclasses.dataclass

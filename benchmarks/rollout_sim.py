@@ -9,7 +9,7 @@ takes well under a minute of wall time instead of GPU-hours:
   `asyncio.sleep` (tool calls, engine steps) costs no wall time; the schedulers' own asyncio code
   (futures, locks, queues) runs as it does in production.
 - `SimEngine` implements `rstar_jax.rollout.protocol.Generator` with SGLang's scheduling, as
-  `rstar_jax.rollout.engine.JaxEngine` mirrors it: continuous batching in decode steps (one token per
+  `rstar_jax.engine.jax_engine.JaxEngine` mirrors it: continuous batching in decode steps (one token per
   running request per step; step time a + b x running + c x KV tokens read); admission from a FIFO
   queue (retracted requests first) when the context plus `new_token_ratio` x the remaining budget
   fits beside the same estimate for every running request, with the ratio decaying per step;
@@ -294,7 +294,7 @@ PROFILES: dict[str, Callable[[int], Profile]] = {
     "mi300x-qwen3-14b": lambda tp: qwen3_14b_profile(MI300X, tp),
 }
 
-# SGLang's admission estimate (the same constants as rstar_jax.rollout.engine): new_token_ratio
+# SGLang's admission estimate (the same constants as rstar_jax.engine.jax_engine): new_token_ratio
 # starts at SGLANG_INIT_NEW_TOKEN_RATIO 0.7 and decays linearly to 0.14 x that in 600 steps; after
 # a retraction it is reset to (decoded + 20 x running) / their max_new_tokens.
 INIT_NEW_TOKEN_RATIO = 0.7
@@ -1064,7 +1064,7 @@ def calibrate(*, slots: int = 16, pool: int = 16384, max_length: int = 1024, ser
     `slots` requests per server, fitted to a + b x running + c x slots x span. Prefill and request
     latency: one 1-token request per server with prompts in 64-1024 token buckets, fitted to
     latency + a + p x bucket x span (the prefill call's fixed cost is taken equal to a decode step's)."""
-    from rstar_jax.rollout.local_server import LocalServer
+    from rstar_jax.engine.local_server import LocalServer
     from rstar_jax.rollout.sglang import SGLangGenerator
 
     env = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"}

@@ -35,7 +35,7 @@ from rstar_jax.model.qwen3 import REMAT_POLICIES, Qwen3Config
 from rstar_jax.model.sharding import DEFAULT_RULES
 from rstar_jax.parallel import create_sharded_model, make_mesh
 from rstar_jax.rl.loss import LossConfig
-from rstar_jax.train.aot import abstract_policy_for, compile_grpo_update
+from rstar_jax.app.aot import abstract_policy_for, compile_grpo_update
 from rstar_jax.train.step import OptimizerConfig, make_optimizer, place_batch, train_step
 
 from ceilings import hf_peer_config, matmul_peak, mfu_peak, run_peer  # noqa: E402 (benchmarks/ceilings.py)

@@ -61,7 +61,7 @@ def receiver(port_file: str) -> None:
     from aiohttp import web
 
     from rstar_jax.model.hf import SafetensorsReader
-    from rstar_jax.rollout import weight_transfer
+    from rstar_jax.engine import weight_transfer
 
     stats = {"seconds": 0.0, "bytes": 0}
     groups: dict[str, weight_transfer.WeightUpdateGroup] = {}

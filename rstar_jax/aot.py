@@ -2,7 +2,7 @@
 config's GRPO-RoC update and SFT step compiled ahead of time over that many abstract devices (fake
 CPU devices, abstract arrays: no weights, no accelerator), and the engine's prefill and decode at
 `--generation_tp`, with XLA's per-device memory analysis
-beside the memory plan and an MI300X's and an H100's memory (see `rstar_jax.train.aot`).
+beside the memory plan and an MI300X's and an H100's memory (see `rstar_jax.app.aot`).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import sys
 import jax
 from absl import flags
 
-from rstar_jax.cli import config_command
+from rstar_jax.config.cli import config_command
 from rstar_jax.config import DEFAULT_CONFIG
 from rstar_jax.parallel import make_mesh
-from rstar_jax.train import builders
-from rstar_jax.train.aot import compile_engine, compile_steps, report
+from rstar_jax.app import builders
+from rstar_jax.app.aot import compile_engine, compile_steps, report
 
 _DEVICES = flags.DEFINE_integer("devices", 64, "Devices of the abstract cluster (fake CPU devices).")
 _GENERATION_TP = flags.DEFINE_integer("generation_tp", 4, "Tensor-parallel size of a generation replica (the "

@@ -2,7 +2,7 @@
 
 A `UserError` is bad input (a config, a dataset, a checkpoint, a request) whose message names the
 field, row or file. The commands print it as `error: <line>` per line and exit with status 2,
-without a traceback (`rstar_jax.cli`). This module imports nothing from the project, so any
+without a traceback (`rstar_jax.config.cli`). This module imports nothing from the project, so any
 layer may raise these.
 """
 

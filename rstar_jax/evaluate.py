@@ -13,9 +13,9 @@ Any stage config evaluates its policy the same way (the mode is set to "eval").
 
 from __future__ import annotations
 
-from rstar_jax.cli import config_command
+from rstar_jax.config.cli import config_command
 from rstar_jax.config import REPO_CONFIGS
-from rstar_jax.train.held_out import run_evaluation
+from rstar_jax.app.held_out import run_evaluation
 
 
 def main() -> None:

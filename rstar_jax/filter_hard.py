@@ -13,9 +13,9 @@ the stage-2 checkpoints).
 
 from __future__ import annotations
 
-from rstar_jax.cli import config_command
+from rstar_jax.config.cli import config_command
 from rstar_jax.config import DEFAULT_CONFIG, check_filter_hard
-from rstar_jax.train.held_out import run_filter_hard
+from rstar_jax.app.held_out import run_filter_hard
 
 
 def main() -> None:

@@ -6,11 +6,11 @@ Without --config the embedded default `configs/tiny.py` runs. `config.mode` pick
 
 from __future__ import annotations
 
-from rstar_jax.cli import config_command
+from rstar_jax.config.cli import config_command
 from rstar_jax.config import DEFAULT_CONFIG
 from rstar_jax.parallel import maybe_initialize_distributed, multihost
-from rstar_jax.train.held_out import run_evaluation
-from rstar_jax.train.run import run_stage
+from rstar_jax.app.held_out import run_evaluation
+from rstar_jax.app.stage import run_stage
 
 SUMMARY_KEYS = ("sft/loss", "rollout/reward_mean", "update/loss")
 

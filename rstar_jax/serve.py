@@ -1,5 +1,5 @@
 """`python -m rstar_jax.serve`: `python -m sglang.launch_server`'s command line (what RL and
-evaluation use of it) over `JaxEngine`; routes and semantics in `rstar_jax.rollout.server`.
+evaluation use of it) over `JaxEngine`; routes and semantics in `rstar_jax.engine.server`.
 
     python -m rstar_jax.serve --model-path PATH_OR_PRESET [--tokenizer-path DIR] [--host 127.0.0.1]
         [--port 30000] [--context-length N] [--max-running-requests N] [--max-total-tokens N]
@@ -46,7 +46,7 @@ import logging
 import sys
 
 from rstar_jax.errors import UserError
-from rstar_jax.train import serving
+from rstar_jax.app import serving
 
 
 def main(argv=None) -> None:

@@ -9,9 +9,9 @@ import pytest
 from rstar_jax.config import REPO_CONFIGS, load_config_file
 from rstar_jax.model.qwen3 import Qwen3Config
 from rstar_jax.parallel import make_mesh
-from rstar_jax.train.aot import abstract_policy, compile_steps, prefill_length
+from rstar_jax.app.aot import abstract_policy, compile_steps, prefill_length
 from rstar_jax.parallel.memory import memory_plan
-from rstar_jax.train import builders
+from rstar_jax.app import builders
 
 
 def test_compiled_update_holds_the_planned_parameters_and_optimizer_state_per_device():

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from rstar_jax.config import REPO_CONFIGS, ConfigError, load_config_file
-from rstar_jax.train import builders
+from rstar_jax.app import builders
 from rstar_jax.train.trainer import RLSettings
 
 ALLOCATE = "x = bytearray(192 << 20)\nprint(len(x))"

@@ -101,7 +101,7 @@ def test_reset_optimizer_max_to_keep_and_errors(mesh, tmp_path):
         ckpt.restore(model=model)
 
     from rstar_jax.config import REPO_CONFIGS, load_config_file
-    from rstar_jax.train import builders
+    from rstar_jax.app import builders
 
     config = load_config_file(REPO_CONFIGS / "tiny.py")
     config.update_from_flattened_dict({"run_dir": str(tmp_path / "run"), "checkpoint.every_steps": 2,

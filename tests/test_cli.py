@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from rstar_jax.cli import check_overrides
+from rstar_jax.config.cli import check_overrides
 from rstar_jax.config import REPO_CONFIGS, load_config_file
 
 REPO = REPO_CONFIGS.parent

@@ -21,7 +21,7 @@ from rstar_jax.config import (
 from rstar_jax.errors import from_fields
 from rstar_jax.model.qwen3 import Qwen3Config
 from rstar_jax.rollout.tool_env import ToolEnv
-from rstar_jax.train.builders import check_mesh
+from rstar_jax.app.builders import check_mesh
 
 ALL_CONFIGS = ("base", "stage1", "stage2", "stage3", "sft", "eval", "tiny")
 # The sandbox on SandboxFusion's HTTP API (what it needs beside the release preset: a local verifier).

@@ -254,7 +254,7 @@ def test_iterator_state_resumes_exactly(tmp_path):
 
 
 def test_prompt_iterator_from_the_config(tmp_path):
-    from rstar_jax.train import builders
+    from rstar_jax.app import builders
 
     path = write_problems(tmp_path / "p.parquet", generate_problems(10, seed=0))
     config = load_config_file(REPO_CONFIGS / "tiny.py")
@@ -265,7 +265,7 @@ def test_prompt_iterator_from_the_config(tmp_path):
 
 
 def test_overlong_prompts_are_dropped_and_counted_or_refused(tmp_path, capsys):
-    from rstar_jax.train import builders
+    from rstar_jax.app import builders
 
     config = load_config_file(REPO_CONFIGS / "tiny.py")  # byte tokenizer: a prompt is its bytes + specials
     tokenizer, template = builders.tokenizer(config), builders.template(config)
@@ -288,7 +288,7 @@ def test_overlong_prompts_are_dropped_and_counted_or_refused(tmp_path, capsys):
 
 
 def test_prepare_synthetic_data_from_the_tiny_config(tmp_path):
-    from rstar_jax.train import builders
+    from rstar_jax.app import builders
 
     config = load_config_file(REPO_CONFIGS / "tiny.py")
     config.update_from_flattened_dict({"run_dir": str(tmp_path / "run"), "data.synthetic.num_train": 12,

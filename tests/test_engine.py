@@ -10,8 +10,8 @@ from flax import nnx
 from scipy import stats
 
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
-from rstar_jax.rollout.engine import JaxEngine
-from rstar_jax.rollout.sampling import sample_tokens
+from rstar_jax.engine.jax_engine import JaxEngine
+from rstar_jax.engine.sampling import sample_tokens
 from rstar_jax.rollout.protocol import ContextLengthExceeded, Generator, SamplingParams
 
 CONFIG = Qwen3Config.tiny()

@@ -28,9 +28,9 @@ from rstar_jax.config import REPO_CONFIGS, ConfigError, load_config_file, valida
 from rstar_jax.evaluation import EvalError, SampleStore, build_report, load_questions, report_ks
 from rstar_jax.model.hf import save_pretrained
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
-from rstar_jax.rollout.local_server import LocalServer
+from rstar_jax.engine.local_server import LocalServer
 from rstar_jax.train.checkpoint import policy_source
-from rstar_jax.train.held_out import run_evaluation
+from rstar_jax.app.held_out import run_evaluation
 
 TINY = REPO_CONFIGS / "tiny.py"
 QUESTIONS = [("What is 3+4?", "7"), ("What is 2+3?", "5"), ("What is 4+5?", "9")]

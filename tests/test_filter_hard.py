@@ -8,7 +8,7 @@ import pytest
 
 from rstar_jax.config import REPO_CONFIGS, ConfigError, check_filter_hard, load_config_file, validate
 from rstar_jax.evaluation import EvalError, split_by_solved, write_rows
-from rstar_jax.train.held_out import filter_hard_loop, run_filter_hard
+from rstar_jax.app.held_out import filter_hard_loop, run_filter_hard
 from rstar_jax.model.hf import save_pretrained
 from tests.test_evaluate import TINY, _env, answering_model, config_from_flags
 

@@ -18,7 +18,7 @@ from rstar_jax.agent.tokenizer import ByteTokenizer
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.rl.loss import LossConfig
 from rstar_jax.rl.roc import RocConfig
-from rstar_jax.rollout.engine import JaxEngine
+from rstar_jax.engine.jax_engine import JaxEngine
 from rstar_jax.rollout.loop import LoopConfig
 from rstar_jax.train import batching, rl_batch
 from rstar_jax.train.rl_batch import BatchConfig, row_length_for

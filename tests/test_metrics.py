@@ -67,7 +67,7 @@ def test_writer_jsonl_tensorboard_and_close(tmp_path):
 
     config = load_config_file(REPO_CONFIGS / "tiny.py")
     config.update_from_flattened_dict({"run_dir": str(tmp_path / "only_jsonl"), "metrics.tensorboard": False})
-    from rstar_jax.train import builders
+    from rstar_jax.app import builders
 
     with builders.metrics_writer(config) as writer:
         writer.write(0, {"a": 1})

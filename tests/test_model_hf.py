@@ -209,7 +209,7 @@ def test_a_runs_export_is_a_whole_checkpoint(tmp_path):
     loads model, tokenizer and generation config from it, and so does the next stage."""
     from rstar_jax.agent.tokenizer import load_tokenizer
     from rstar_jax.config import REPO_CONFIGS, load_config_file
-    from rstar_jax.train import builders
+    from rstar_jax.app import builders
 
     source = tmp_path / "source"
     _hf_model(tied=False, rope_theta=10_000.0).save_pretrained(source)

@@ -20,7 +20,7 @@ from safetensors.numpy import load_file
 
 from rstar_jax.config import REPO_CONFIGS, load_config_file
 from rstar_jax.rollout.records import iter_rollouts
-from rstar_jax.train import builders
+from rstar_jax.app import builders
 from rstar_jax.train.metrics import read_metrics
 from tests.conftest import TINY_TEST_TASK
 

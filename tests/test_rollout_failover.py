@@ -272,7 +272,7 @@ def test_two_real_servers_one_killed_mid_step(tmp_path):
     from flax import nnx
 
     from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
-    from rstar_jax.rollout.local_server import LocalServer
+    from rstar_jax.engine.local_server import LocalServer
     from rstar_jax.train.weight_sync import DiskSync, DistributedSync
 
     servers = [LocalServer("tiny", slots=4, max_length=256, max_total_tokens=2048, page_size=16)

@@ -325,7 +325,7 @@ def test_without_tools_a_call_is_never_executed():
 def test_generation_stops_on_the_models_eos_set(tmp_path):
     from rstar_jax.agent.tokenizer import HFTokenizer
     from rstar_jax.config import REPO_CONFIGS, load_config_file
-    from rstar_jax.train import builders
+    from rstar_jax.app import builders
     from tests.agent_helpers import write_chatml_tokenizer
 
     ids = write_chatml_tokenizer(tmp_path)

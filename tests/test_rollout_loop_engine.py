@@ -16,7 +16,7 @@ from flax import nnx
 
 from rstar_jax.agent.tokenizer import IM_END, ByteTokenizer
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
-from rstar_jax.rollout.engine import JaxEngine
+from rstar_jax.engine.jax_engine import JaxEngine
 from rstar_jax.rollout.loop import LoopConfig, run_trajectory
 from rstar_jax.rollout.protocol import GenerateResult
 from tests.test_rollout_loop import FakeExecutor, call, exact_scorer

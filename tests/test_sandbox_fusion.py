@@ -470,7 +470,7 @@ def test_a_run_on_sandbox_fusion_executes_its_tool_calls_through_the_http_endpoi
     from rstar_jax.agent.tokenizer import IM_END, ByteTokenizer
     from rstar_jax.config import REPO_CONFIGS, load_config_file, validate
     from rstar_jax.rollout.loop import LoopConfig, run_trajectory
-    from rstar_jax.train import builders
+    from rstar_jax.app import builders
     from tests.test_builders import health_server
     from tests.test_rollout_loop import ScriptedGenerator, exact_scorer
 

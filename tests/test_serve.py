@@ -12,7 +12,7 @@ from flax import nnx
 
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.rollout.protocol import SamplingParams
-from rstar_jax.rollout.local_server import LocalServer
+from rstar_jax.engine.local_server import LocalServer
 from rstar_jax.rollout.sglang import SGLangError, SGLangGenerator
 from rstar_jax.train.weight_sync import sync_weights_via_disk
 from tests.test_engine import _reference

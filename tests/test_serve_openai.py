@@ -21,8 +21,8 @@ from flax import nnx
 
 from rstar_jax.model.hf import save_pretrained
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
-from rstar_jax.rollout.engine import JaxEngine
-from rstar_jax.rollout.server import EngineServer
+from rstar_jax.engine.jax_engine import JaxEngine
+from rstar_jax.engine.server import EngineServer
 from tests import qwen3_vocab
 
 CONTEXT, SLOTS, NAME = 512, 4, "tiny-qwen3"
@@ -344,7 +344,7 @@ def test_kv_pool_is_sized_from_mem_fraction_static_as_sglang():
     import jax
 
     from rstar_jax.errors import UserError
-    from rstar_jax.train.serving import kv_pool_tokens
+    from rstar_jax.app.serving import kv_pool_tokens
 
     class Device:
         platform = "gpu"
@@ -407,7 +407,7 @@ def test_engine_streams_tokens_and_ends_exactly_the_request_asked():
 
 
 def test_sampling_seed_is_honoured_only_with_deterministic_inference():
-    from rstar_jax.rollout.server import parse_sampling
+    from rstar_jax.engine.server import parse_sampling
 
     assert parse_sampling({"sampling_seed": 5}, honour_seed=True)[0].seed == 5
     assert parse_sampling({"sampling_seed": 5}, honour_seed=False)[0].seed is None  # as SGLang without the flag

@@ -44,7 +44,7 @@ def test_the_tiny_runs_warm_up_teaches_the_protocol(tiny_run_dir):
     from rstar_jax.agent.tool_calls import ToolCall, format_observation, parse_tool_calls
     from rstar_jax.data.datasets import read_examples
     from rstar_jax.model.hf import load_pretrained
-    from rstar_jax.rollout.engine import JaxEngine
+    from rstar_jax.engine.jax_engine import JaxEngine
     from rstar_jax.rollout.protocol import SamplingParams
 
     template = ChatTemplate.bare("python")  # configs/tiny.py's template and tool name

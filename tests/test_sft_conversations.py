@@ -16,7 +16,7 @@ from rstar_jax.agent.tokenizer import IM_END, ByteTokenizer, HFTokenizer
 from rstar_jax.agent.tool_calls import ToolCall, parse_tool_calls
 from rstar_jax.config import REPO_CONFIGS, ConfigError, load_config_file, validate
 from rstar_jax.data.datasets import DataError, read_conversations
-from rstar_jax.train import builders
+from rstar_jax.app import builders
 from rstar_jax.train.sft import SftSkips, conversation_ids, sft_sequences
 
 WEATHER = {"type": "function", "function": {

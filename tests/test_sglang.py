@@ -8,7 +8,8 @@ import pytest
 from aiohttp import web
 
 from rstar_jax.rollout.protocol import Generator, SamplingParams
-from rstar_jax.rollout.sglang import SGLangError, SGLangGenerator, new_rid, parse_generate_response
+from rstar_jax.rollout.protocol import new_rid
+from rstar_jax.rollout.sglang import SGLangError, SGLangGenerator, parse_generate_response
 
 # The response example of sglang_api.md §3.3, verbatim in structure and values.
 SGLANG_EXAMPLE = """

@@ -19,10 +19,11 @@ from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.parallel import create_sharded_model, make_mesh
 from rstar_jax.rl.loss import LossConfig
 from rstar_jax.rl.roc import RocConfig
-from rstar_jax.rollout.engine import JaxEngine
+from rstar_jax.engine.jax_engine import JaxEngine
 from rstar_jax.rollout.loop import LoopConfig
 from rstar_jax.rollout.trajectory import Trajectory
-from rstar_jax.train import builders, trainer as trainer_module
+from rstar_jax.app import builders
+from rstar_jax.train import trainer as trainer_module
 from rstar_jax.train.rl_batch import BatchConfig, row_length_for
 from rstar_jax.train.step import OptimizerConfig, compute_logprobs, make_optimizer, place_batch
 from rstar_jax.train.trainer import RLSettings, RLTrainer

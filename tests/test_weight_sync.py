@@ -16,10 +16,10 @@ from flax import nnx
 from rstar_jax.model.hf import hf_tensors, load_pretrained, save_pretrained
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.parallel import create_sharded_model, make_mesh
-from rstar_jax.rollout.local_server import LocalServer
+from rstar_jax.engine.local_server import LocalServer
 from rstar_jax.rollout.protocol import SamplingParams
 from rstar_jax.rollout.sglang import SGLangError, SGLangGenerator
-from rstar_jax.rollout.weight_transfer import TorchMissing, WeightUpdateGroup
+from rstar_jax.engine.weight_transfer import TorchMissing, WeightUpdateGroup
 from rstar_jax.train.weight_sync import DistributedSync, reachable_address
 from tests.test_engine import _reference
 
@@ -126,7 +126,7 @@ def test_reachable_address():
 def test_the_config_chooses_and_configures_the_sync(tmp_path):
     """`weight_sync.*` reaches the objects: the method picks the class, every knob its field."""
     from rstar_jax.config import REPO_CONFIGS, load_config_file, validate
-    from rstar_jax.train import builders
+    from rstar_jax.app import builders
     from rstar_jax.train.weight_sync import DiskSync
 
     def build(**fields):

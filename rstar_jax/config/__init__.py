@@ -2,7 +2,7 @@
 
 `configs/base.py` is the schema: a config may only hold the fields it defines, with the same types.
 Configs come from a file, then change on the command line (`--config.a.b=v`, parsed by
-`ml_collections.config_flags` in `rstar_jax.cli`) or in code:
+`ml_collections.config_flags` in `rstar_jax.config.cli`) or in code:
 
     config = load_config_file("configs/stage1.py")
     config.update_from_flattened_dict({"rl.clip_high": 0.3})
@@ -48,7 +48,7 @@ from rstar_jax.rl.roc import RocConfig
 from rstar_jax.rollout.loop import LoopConfig
 from rstar_jax.rollout.scheduler import RESERVATIONS
 from rstar_jax.rollout.tool_env import ToolEnv
-from rstar_jax.rollout.weight_transfer import BACKENDS as WEIGHT_SYNC_BACKENDS
+from rstar_jax.engine.weight_transfer import BACKENDS as WEIGHT_SYNC_BACKENDS
 from rstar_jax.train.rl_batch import BatchConfig
 from rstar_jax.train.step import OptimizerConfig
 from rstar_jax.train.weight_sync import SYNC_METHODS, SYNC_MODES

@@ -7,7 +7,7 @@ import sys
 
 from absl import flags
 
-from rstar_jax.cli import config_command
+from rstar_jax.config.cli import config_command
 from rstar_jax.config import DEFAULT_CONFIG, input_problems
 
 

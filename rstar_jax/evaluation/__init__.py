@@ -1,5 +1,5 @@
 """Evaluation: questions, the resumable sample store, group sampling with the agentic loop, avg@k
-reports and the stage-3 hard-set filter. Configs become these objects in `rstar_jax.train.held_out`."""
+reports and the stage-3 hard-set filter. Configs become these objects in `rstar_jax.app.held_out`."""
 
 from rstar_jax.evaluation.filter_hard import split_by_solved, write_rows
 from rstar_jax.evaluation.metrics import EvalSummary, pass_at_k, summarize

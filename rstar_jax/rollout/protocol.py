@@ -8,7 +8,16 @@ in-process `JaxEngine` and the SGLang HTTP client implement `Generator`.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from typing import AsyncContextManager, Hashable, Protocol, Sequence, runtime_checkable
+
+RID_HEX_DIGITS = 16  # fixed width: SGLang aborts by rid prefix, so no rid may prefix another
+
+
+def new_rid() -> str:
+    """A random fixed-width hex request id."""
+    return secrets.token_hex(RID_HEX_DIGITS // 2)
+
 
 # SGLang's finish reasons (meta_info.finish_reason.type), plus "abort" for a cancelled request.
 FINISH_STOP = "stop"  # an EOS / stop token id was sampled (the token is included in the output)

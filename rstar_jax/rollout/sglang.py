@@ -48,7 +48,6 @@ import json
 import logging
 import os
 import pathlib
-import secrets
 from typing import Any, Sequence
 
 import aiohttp
@@ -62,11 +61,11 @@ from rstar_jax.rollout.protocol import (
     GeneratorUnavailable,
     RequestRejected,
     SamplingParams,
+    new_rid,
 )
 
 log = logging.getLogger(__name__)
 
-RID_HEX_DIGITS = 16  # fixed width: SGLang aborts by rid prefix, so no rid may prefix another
 RETRY_STATUSES = (502, 503, 504)
 ABSENT_STATUSES = (404, 405)  # a route this server version does not have
 BODY_REJECTED_STATUSES = (400, 415, 422)  # a handler that takes no (or another) body
@@ -87,11 +86,6 @@ class SGLangUnavailable(SGLangError, GeneratorUnavailable):
 
 class SGLangRejected(SGLangError, RequestRejected):
     """The server refused this request with a 4xx (e.g. a prompt longer than its context)."""
-
-
-def new_rid() -> str:
-    """A random fixed-width hex request id."""
-    return secrets.token_hex(RID_HEX_DIGITS // 2)
 
 
 def parse_weight_version(value: Any) -> int | None:
@@ -642,4 +636,4 @@ def _error_message(body: Any) -> str:
     return str(body)[:300]
 
 
-__all__ = ["SGLangError", "SGLangGenerator", "SGLangRejected", "SGLangUnavailable", "new_rid", "parse_generate_response", "sampling_payload"]
+__all__ = ["SGLangError", "SGLangGenerator", "SGLangRejected", "SGLangUnavailable", "parse_generate_response", "sampling_payload"]

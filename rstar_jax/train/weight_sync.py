@@ -67,8 +67,8 @@ from rstar_jax.model.hf import (
 )
 from rstar_jax.model.qwen3 import dtype_name
 from rstar_jax.parallel import multihost
-from rstar_jax.rollout import weight_transfer
-from rstar_jax.rollout.engine import JaxEngine
+from rstar_jax.engine import weight_transfer
+from rstar_jax.engine.jax_engine import JaxEngine
 from rstar_jax.rollout.protocol import GeneratorUnavailable
 from rstar_jax.rollout.sglang import SGLangError, SGLangGenerator
 

@@ -19,13 +19,13 @@ from rstar_jax.agent.reward import make_scorer
 from rstar_jax.config import REPO_CONFIGS, load_config_file
 from rstar_jax.data.synthetic import generate_problems
 from rstar_jax.model.hf import load_pretrained
-from rstar_jax.rollout.local_server import LocalServer
+from rstar_jax.engine.local_server import LocalServer
 from rstar_jax.rollout.loop import LoopConfig, run_trajectory
 from rstar_jax.rollout.orchestrator import Orchestrator
 from rstar_jax.rollout.scheduler import KvScheduler
 from rstar_jax.rollout.sglang import SGLangGenerator
 from rstar_jax.rollout.stats import rollout_stats
-from rstar_jax.train import builders
+from rstar_jax.app import builders
 from sandbox_service.client import SandboxClient
 from sandbox_service.launcher import LocalSandbox
 from tests.conftest import TINY_TEST_TASK

@@ -41,7 +41,7 @@ from rstar_jax.evaluation import (
 from rstar_jax.parallel import multihost
 from rstar_jax.rollout.loop import LoopConfig
 from rstar_jax.rollout.orchestrator import trajectory_runner
-from rstar_jax.train import builders
+from rstar_jax.app import builders
 from rstar_jax.train.checkpoint import PolicySource, policy_source
 from rstar_jax.train.metrics import ProgressBar
 

@@ -33,9 +33,9 @@ from typing import Any
 
 from aiohttp import web
 
-from rstar_jax.rollout.engine import MAX_STOP_IDS
+from rstar_jax.engine.jax_engine import MAX_STOP_IDS
 from rstar_jax.rollout.protocol import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
-from rstar_jax.rollout.textgen import TextDecoder, TextRequest, token_texts
+from rstar_jax.engine.textgen import TextDecoder, TextRequest, token_texts
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's (and SGLang's) default for /v1/completions
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs (and SGLang's for completions logprobs)

@@ -1,7 +1,7 @@
 """The library of `python -m rstar_jax.serve`: `sglang.launch_server`'s command line (what RL and
 evaluation use of it) over `JaxEngine`. `parser()` and `check(args)` read and validate the flags,
 `run(args)` loads the policy (`builders.serving_policy`), the tokenizer and its chat template, sizes
-the KV pool and serves `rstar_jax.rollout.server` until cancelled. Flag meanings: the command's
+the KV pool and serves `rstar_jax.engine.server` until cancelled. Flag meanings: the command's
 docstring (`rstar_jax/serve.py`).
 """
 
@@ -16,10 +16,10 @@ import pathlib
 from rstar_jax.agent.tokenizer import HFTokenizer
 from rstar_jax.errors import UserError
 from rstar_jax.model.hf import hf_tensor, update_from_hf_tensors
-from rstar_jax.rollout.server import serve
-from rstar_jax.rollout.textgen import JinjaChatTemplate
-from rstar_jax.train.builders import engine_for, serving_policy
-from rstar_jax.train.kv_pool import kv_pool_tokens
+from rstar_jax.engine.server import serve
+from rstar_jax.engine.textgen import JinjaChatTemplate
+from rstar_jax.app.builders import engine_for, serving_policy
+from rstar_jax.app.kv_pool import kv_pool_tokens
 
 log = logging.getLogger("rstar_jax.serve")
 

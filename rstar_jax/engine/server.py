@@ -4,7 +4,7 @@ The surface is SGLang's, with its field names, formats and semantics: `/generate
 `text` and `stop` strings when a tokenizer is loaded; `stream=true` sends cumulative server-sent
 events; `logprob_start_len`, `top_logprobs_num` and `return_text_in_logprobs` as SGLang, see
 `score_positions`), the OpenAI routes `/v1/models`, `/v1/completions` and `/v1/chat/completions`
-(`rstar_jax.rollout.openai_routes`), `/metrics` (Prometheus text with SGLang's names, with
+(`rstar_jax.engine.openai_routes`), `/metrics` (Prometheus text with SGLang's names, with
 `enable_metrics`), `/abort_request` (rid prefix), `/get_server_info`,
 `/v1/loads` (`?include=queues` adds the queue section), `/get_load`, `/health`, `/health_generate`,
 `/flush_cache`, `/update_weights_from_disk`, the distributed weight update (`/init_weights_update_group`,
@@ -48,14 +48,13 @@ import numpy as np
 from aiohttp import web
 
 from rstar_jax import __version__ as package_version
-from rstar_jax.rollout import weight_transfer
-from rstar_jax.rollout.engine import MAX_STOP_IDS, PAUSE_MODES, JaxEngine
-from rstar_jax.rollout.openai_routes import OpenAIRoutes
-from rstar_jax.rollout.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from rstar_jax.rollout.prometheus import Exposition, Histogram
-from rstar_jax.rollout.protocol import FINISH_STOP, SamplingParams
-from rstar_jax.rollout.sglang import new_rid
-from rstar_jax.rollout.textgen import JinjaChatTemplate, TextDecoder, TextRequest, output_text, token_texts
+from rstar_jax.engine import weight_transfer
+from rstar_jax.engine.jax_engine import MAX_STOP_IDS, PAUSE_MODES, JaxEngine
+from rstar_jax.engine.openai_routes import OpenAIRoutes
+from rstar_jax.engine.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from rstar_jax.engine.prometheus import Exposition, Histogram
+from rstar_jax.rollout.protocol import FINISH_STOP, SamplingParams, new_rid
+from rstar_jax.engine.textgen import JinjaChatTemplate, TextDecoder, TextRequest, output_text, token_texts
 
 log = logging.getLogger("rstar_jax.serve")
 

@@ -27,8 +27,8 @@ from rstar_jax.model.sharding import set_activation_shardings, state_shardings
 from rstar_jax.parallel import make_mesh
 from rstar_jax.parallel.memory import GIB, memory_plan
 from rstar_jax.rl.loss import LossConfig
-from rstar_jax.rollout.engine import decode_step, pool_sharding, prefill_step
-from rstar_jax.train import builders
+from rstar_jax.engine.jax_engine import decode_step, pool_sharding, prefill_step
+from rstar_jax.app import builders
 from rstar_jax.train.batching import TrainingSequence, make_micro_batches
 from rstar_jax.train.rl_batch import BatchConfig, row_length_for
 from rstar_jax.train.sft import _sft_step

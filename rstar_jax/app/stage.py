@@ -22,9 +22,9 @@ from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
 from rstar_jax.data.datasets import DataError, PromptIterator
 from rstar_jax.errors import ConfigError
-from rstar_jax.train import builders
+from rstar_jax.app import builders
 from rstar_jax.train.checkpoint import Checkpointer, checkpoints_directory
-from rstar_jax.train.held_out import HeldOutEvaluation
+from rstar_jax.app.held_out import HeldOutEvaluation
 from rstar_jax.train.loop import RLLoop, is_rl_line, sft_loop
 from rstar_jax.train.metrics import MetricsWriter
 from rstar_jax.train.step import OptimizerConfig, lr_schedule, make_optimizer

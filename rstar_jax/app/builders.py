@@ -48,14 +48,14 @@ from rstar_jax.evaluation.questions import Question, load_questions
 from rstar_jax.model.hf import load_pretrained, save_pretrained
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.parallel import MESH_AXES, create_sharded_model, make_mesh, multihost, shard_model
-from rstar_jax.rollout.engine import JaxEngine
-from rstar_jax.rollout.local_server import LocalServer
+from rstar_jax.engine.jax_engine import JaxEngine
+from rstar_jax.engine.local_server import LocalServer
 from rstar_jax.rollout.loop import ToolExecutor
 from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler
 from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.rollout.sglang import SGLangGenerator
 from rstar_jax.train.checkpoint import Checkpointer, CheckpointError, PolicySource, stored_config
-from rstar_jax.train.kv_pool import CONFIG_NAMES, kv_pool_tokens
+from rstar_jax.app.kv_pool import CONFIG_NAMES, kv_pool_tokens
 from rstar_jax.train.metrics import MetricsWriter
 from rstar_jax.train.rl_batch import row_length_for
 from rstar_jax.train.sft import SftBatches, SftSkips, sft_sequences

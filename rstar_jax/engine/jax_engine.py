@@ -50,7 +50,7 @@ changes) and it samples its first token after its last chunk. One request is chu
 it goes before new admissions. A request retracted, aborted or paused mid-prefill is handled as any
 running one (a retracted one starts its prefill over on re-admission).
 
-Log-probs match SGLang (see `rstar_jax.rollout.sampling`): log-softmax of the temperature-scaled
+Log-probs match SGLang (see `rstar_jax.engine.sampling`): log-softmax of the temperature-scaled
 logits at the sampled token, before top-p / top-k truncation; `original_logprobs=True` gives the raw
 logits' log-softmax (SGLANG_RETURN_ORIGINAL_LOGPROB). Greedy rows and temperature 1 give the raw
 log-softmax either way, which is what the trainer recomputes.
@@ -106,7 +106,7 @@ from rstar_jax.rollout.protocol import (
     GenerateResult,
     SamplingParams,
 )
-from rstar_jax.rollout.sampling import row_keys, sample_tokens
+from rstar_jax.engine.sampling import row_keys, sample_tokens
 
 MAX_STOP_IDS = 8
 PAUSE_MODES = ("abort", "retract", "in_place")
