@@ -9,7 +9,8 @@ import logging
 import os
 import signal
 
-from sandbox_service.server import ServerOptions, serve
+from sandbox_service.process import serve
+from sandbox_service.server import ServerOptions
 
 
 def parse_args(argv=None) -> tuple[ServerOptions, argparse.Namespace]:

@@ -494,6 +494,18 @@ class SandboxClient:
                           import_checks=tuple(selftest.ImportCheck(c.module, c.mode, c.ok, c.version, c.error, c.origin)
                                               for c in r.import_checks))
 
+    ready_probe = "Info"  # what `ready` asks, for messages about servers that do not answer
+
+    async def ready(self, target: str,
+                    modules: Sequence[str] = selftest.STANDARD_MODULES) -> tuple[str, list[str]] | None:
+        """None while `target` does not answer `Info`; then a line on its isolation and what tool code
+        imports there (its start-up self-test), and one problem per module of `modules` it cannot import."""
+        try:
+            info = await self.info(target)
+        except Exception:  # noqa: BLE001  (any failure to answer: not ready yet)
+            return None
+        return info.describe(), info.self_test_failures(required=modules)
+
     async def info_all(self) -> list[ServerInfo]:
         self._ensure_started()
         return list(await asyncio.gather(*(self.info(e.target) for e in self._endpoints)))

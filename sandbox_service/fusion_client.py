@@ -194,6 +194,21 @@ class SandboxFusionExecutor:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
             return False
 
+    ready_probe = "/v1/ping"  # what `ready` asks first, for messages about servers that do not answer
+
+    async def ready(self, target: str,
+                    modules: Sequence[str] = selftest.STANDARD_MODULES) -> tuple[str, list[str]] | None:
+        """None while `target` does not answer `/v1/ping`; then a line on what tool code imports there
+        and one problem per module of `modules` it cannot import (the self-test, run as a call)."""
+        try:
+            if not await self.ping(target):
+                return None
+        except Exception:  # noqa: BLE001  (any failure to answer: not ready yet)
+            return None
+        checks = await self.self_test(target, modules)
+        return (f"{target}: tool code imports {selftest.summary(checks) or 'none of them'} (cold)",
+                selftest.failures(checks))
+
     async def self_test(self, target: str, modules) -> list[selftest.ImportCheck]:
         """What `Info`'s start-up self-test reports on our server, run as an ordinary call on `target`:
         whether tool code imports each of `modules` (cold: SandboxFusion starts a fresh interpreter

@@ -24,6 +24,7 @@ import json
 import os
 import pathlib
 from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Protocol
 
 import jax
 from flax import nnx
@@ -50,7 +51,8 @@ from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.parallel import MESH_AXES, create_sharded_model, make_mesh, multihost, shard_model
 from rstar_jax.engine.jax_engine import JaxEngine
 from rstar_jax.engine.local_server import LocalServer
-from rstar_jax.rollout.loop import ToolExecutor
+from rstar_jax.rollout.loop import Scorer, ToolExecutor
+from rstar_jax.rollout.protocol import Scheduler
 from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler
 from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.rollout.sglang import SGLangGenerator
@@ -422,17 +424,27 @@ def local_servers(config, model: Qwen3) -> Iterator[list[str]]:
             for _ in range(r.local_servers)]
 
 
+class ToolService(ToolExecutor, Protocol):
+    """The sandbox servers a run opens: a SandboxClient (sandbox.api="grpc"; it also has `verify` and
+    `info`) or a SandboxFusionExecutor ("sandbox_fusion")."""
+
+    targets: list[str]
+    ready_probe: str  # what `ready` asks, for messages
+
+    async def ready(self, target: str, modules: Sequence[str]) -> tuple[str, list[str]] | None:
+        """None while `target` does not answer; then its report line and its self-test's problems."""
+        ...
+
+
 @dataclasses.dataclass
 class RolloutResources:
     """What the rollout loop runs against; `rollout_resources` opens and closes it."""
 
-    # Executes tool calls: a SandboxClient (sandbox.api="grpc"; it also has `verify` and `info`) or a
-    # SandboxFusionExecutor ("sandbox_fusion"; `ping`).
-    client: ToolExecutor
-    scorer: object  # async (text, gold, truncated=...) -> reward
+    client: ToolService  # executes tool calls
+    scorer: Scorer
     engine: JaxEngine | None = None  # the in-process generator, or
     generators: list[SGLangGenerator] = dataclasses.field(default_factory=list)  # servers, placed by
-    scheduler: object = None  # the KV-aware (or round-robin) scheduler
+    scheduler: Scheduler | None = None  # the KV-aware (or round-robin) scheduler
     closers: list = dataclasses.field(default_factory=list)  # async callables run first on exit (weight sync)
     # Per sandbox server, once ready: the isolation in force and what tool code imports (its self-test).
     sandbox_reports: list[str] = dataclasses.field(default_factory=list)
@@ -535,30 +547,17 @@ async def wait_until_ready(resources: RolloutResources, timeout_s: float, interv
     sandbox: its isolation and what tool code imports."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    fusion = isinstance(resources.client, SandboxFusionExecutor)
     reports: dict[str, str] = {}
 
     async def sandbox_ready(target: str) -> bool:
-        try:
-            if fusion:
-                if not await resources.client.ping(target):
-                    return False
-            else:
-                info = await resources.client.info(target)
-        except Exception:  # noqa: BLE001  (any failure to answer: not ready yet)
+        answer = await resources.client.ready(target, modules)
+        if answer is None:
             return False
-        if fusion:
-            checks = await resources.client.self_test(target, modules)
-            problems = selftest.failures(checks)
-            reports[target] = f"{target}: tool code imports {selftest.summary(checks) or 'none of them'} (cold)"
-        else:
-            problems = info.self_test_failures(required=modules)
-            reports[target] = info.describe()
+        reports[target], problems = answer
         if problems:
             raise UserError("\n".join([f"the sandbox at {target} failed its start-up self-test:", *problems]))
         return True
 
-    sandbox_probe = "/v1/ping" if fusion else "Info"
     generators = resources.generators if generators is None else generators
     waiting = {**{g.base_url: g.health for g in generators},
                **{t: functools.partial(sandbox_ready, t) for t in resources.client.targets}}
@@ -570,7 +569,7 @@ async def wait_until_ready(resources: RolloutResources, timeout_s: float, interv
             return
         if loop.time() >= deadline:
             raise ConfigError(f"config.rollout.ready_timeout_s: not ready after {timeout_s:g} s: {', '.join(waiting)} "
-                              f"(generators must answer /health_generate, sandboxes {sandbox_probe})")
+                              f"(generators must answer /health_generate, sandboxes {resources.client.ready_probe})")
         await asyncio.sleep(min(interval_s, max(0.0, deadline - loop.time())))
 
 

@@ -165,3 +165,7 @@ class Scheduler(Protocol):
     def mark_down(self, generator: Generator, reason: str) -> None:
         """Takes a failed generator out of rotation: no new turn goes to it."""
         ...
+
+    def stats(self) -> dict[str, float]:
+        """Figures since the scheduler started, by name, for the step metrics (`scheduler/<name>`)."""
+        ...

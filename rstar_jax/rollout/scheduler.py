@@ -116,6 +116,12 @@ class _Rotation:
     def _after_down(self) -> None:
         pass
 
+    def stats(self) -> dict[str, float]:
+        """The step's figures for the metrics (`scheduler/<name>`): turns admitted per generator and
+        how many generators left the rotation."""
+        admitted = {f"admitted_{i}": n for i, n in enumerate(self.admitted_per_generator())}
+        return {**admitted, "generators_down": len(self.down)}
+
     def _no_generator_left(self) -> GeneratorUnavailable:
         reasons = "; ".join(f"{getattr(self.generators[i], 'name', i)}: {r}" for i, r in self.down.items())
         return GeneratorUnavailable(f"every generator is out of rotation ({reasons})")
@@ -253,6 +259,11 @@ class KvScheduler(_Rotation):
         self.moves = 0  # turns placed away from the generator holding their prefix
         self.max_queue = 0
         self._init_rotation()
+
+    def stats(self) -> dict[str, float]:
+        """Beside the rotation's figures: turns placed away from their prefix's generator, and the
+        longest queue of turns waiting for KV room."""
+        return {**super().stats(), "moves": self.moves, "max_queue": self.max_queue}
 
     def admitted_per_generator(self) -> list[int]:
         """Trajectories whose first turn ran on each generator so far (for load metrics)."""

@@ -19,8 +19,8 @@ from jax.sharding import Mesh
 
 from rstar_jax.data.datasets import PromptIterator
 from rstar_jax.parallel import multihost
+from rstar_jax.rollout.protocol import Scheduler
 from rstar_jax.rollout.records import rollout_path, trajectory_record, write_records
-from rstar_jax.rollout.scheduler import KvScheduler
 from rstar_jax.train.checkpoint import Checkpointer
 from rstar_jax.train.metrics import MetricsWriter, ProgressBar
 from rstar_jax.train.sft import SftBatches, sft_step
@@ -77,7 +77,7 @@ class RLLoop:
     lr: Callable[[int], float]  # learning rate of a 0-based step
     rollouts_run_dir: pathlib.Path | None = None  # every trajectory into <dir>/rollouts/ (None: not stored)
     stage: str = ""
-    scheduler: Any = None  # reports admissions per generator when given
+    scheduler: Scheduler | None = None  # its stats() join the step metrics when given
     evaluate: Callable[[int], Awaitable[dict]] | None = None
     eval_every: int = 0
     progress: bool = True
@@ -108,12 +108,7 @@ class RLLoop:
                                   (trajectory_record(t, decode, step=step + 1, stage=self.stage) for t in trajectories))
                 step_metrics["lr"] = self.lr(step)
                 if self.scheduler is not None:
-                    step_metrics.update({f"scheduler/admitted_{i}": n
-                                         for i, n in enumerate(self.scheduler.admitted_per_generator())})
-                    step_metrics["scheduler/generators_down"] = len(self.scheduler.down)
-                    if isinstance(self.scheduler, KvScheduler):  # turns moved off an overloaded server, waits
-                        step_metrics["scheduler/moves"] = self.scheduler.moves
-                        step_metrics["scheduler/max_queue"] = self.scheduler.max_queue
+                    step_metrics.update({f"scheduler/{k}": v for k, v in self.scheduler.stats().items()})
                 last = self.metrics.write(step + 1, step_metrics)
                 self.save_state(step + 1, step + 1 == self.steps)
                 if self._evaluation_due(step + 1):

@@ -87,6 +87,10 @@ class WeightSync(Protocol):
 
     async def push(self, model, version: int) -> None: ...
 
+    def stats(self) -> dict[str, float]:
+        """Seconds of the last push's parts, by name (`time/weight_sync_<name>`); {} when it has none."""
+        ...
+
 
 class Rotation(Protocol):
     """The servers in rotation (the rollout's scheduler)."""
@@ -102,6 +106,7 @@ class _ServerSync:
     generators: list[SGLangGenerator]
     rotation: Rotation | None
     failed: dict[str, str]  # base URL -> why this sync stopped updating it
+    timings: dict[str, float]  # the last push's parts, in seconds
 
     def live(self) -> list[SGLangGenerator]:
         """The servers this push goes to; raises GeneratorUnavailable when none is left."""
@@ -111,6 +116,9 @@ class _ServerSync:
             raise GeneratorUnavailable("weight sync: every server is out of rotation ("
                                        + "; ".join(f"{url}: {why}" for url, why in self.failed.items()) + ")")
         return live
+
+    def stats(self) -> dict[str, float]:
+        return dict(self.timings)
 
     def take_out(self, gen: SGLangGenerator, reason: str) -> None:
         log.warning("weight sync: %s taken out of rotation: %s", gen.base_url, reason)
@@ -132,6 +140,9 @@ class EngineSync:
         source = multihost.host_state(model) if jax.process_count() > 1 else model
         # update_weights blocks until running requests drain; keep the event loop free meanwhile.
         self.version = await asyncio.to_thread(self.engine.update_weights, source, version=version)
+
+    def stats(self) -> dict[str, float]:
+        return {}  # one swap in place: time/weight_sync_s is all of it
 
 
 def _check_mode(mode: str, who: str) -> None:
