@@ -41,6 +41,8 @@ A page returns to the free stack when its last holder (a request or a cached pre
 the admission estimate and `capacity()` count a shared page once. `shared_pages` and
 `shared_tokens` count what sharing supplied (see `JaxEngine`). Sharing follows `prefix_cache` unless
 `prefix_sharing` says otherwise; outputs are those without it (log-probs up to float rounding).
+The page bookkeeping (references, the index of shareable pages) is `rstar_jax.engine.pages.PagePool`,
+the prefix cache `rstar_jax.engine.prefix.PrefixCache`; this module schedules over them.
 
 Chunked prefill (SGLang's `--chunked-prefill-size`): with `chunked_prefill_size`, one engine step
 prefills at most that many tokens. A context that does not fit is prefilled a chunk per step, ending
@@ -106,6 +108,8 @@ from rstar_jax.rollout.protocol import (
     GenerateResult,
     SamplingParams,
 )
+from rstar_jax.engine.pages import PagePool
+from rstar_jax.engine.prefix import PrefixCache
 from rstar_jax.engine.sampling import row_keys, sample_tokens
 
 MAX_STOP_IDS = 8
@@ -115,7 +119,6 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.7 * 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_DECODE_STEPS = 20  # SGLang's headroom per running request in the post-retraction estimate
-PREFIX_HEAD = 64  # leading tokens that index the prefix cache
 
 
 def prefill_step(graphdef, original_logprobs: bool, state, cache: PagedKVCache, tables, ids, starts, lengths, key,
@@ -211,149 +214,11 @@ def _row_seed(sampling: SamplingParams) -> int:
     return -1 if sampling.seed is None else int(sampling.seed) % (2**31 - 1)
 
 
-class JaxEngine:
-    """Continuous-batching generator over a Qwen3 model. Thread-safe; asyncio front end.
-
-    slots: concurrent requests (SGLang's max_running_requests). max_length: context length, prompt
-    + output of one request. max_total_tokens: the KV pool in tokens (default slots x max_length,
-    never overcommitted); at least max_length, so one request always fits. page_size: tokens per page.
-    prefill_batch: requests admitted in one step are prefilled together, this many rows per call
-    (a lone request runs as one row, so there are two compiled shapes per prompt bucket).
-    prefix_cache: keep finished requests' KV for requests that continue them (see the module docstring).
-    prefix_sharing: share full KV pages between requests whose contexts start alike (default: as
-    prefix_cache). chunked_prefill_size: prefill tokens per engine step (None or 0: no limit).
-    Counters: `shared_pages`, the pages admissions took from another holder (a running request or a
-    cached prefix) instead of prefilling them, and `shared_tokens`, the context tokens those pages
-    held, both cumulative over every admission (re-admissions after retraction included).
-    The attribute `on_first_token` (default None), if set, is called from the engine thread with each
-    request's seconds from submission to its first token, e.g. for a metrics histogram; it must be quick.
-    """
-
-    name = "jax"
-
-    def __init__(self, model: Qwen3, *, slots: int = 8, max_length: int = 2048,
-                 max_total_tokens: int | None = None, page_size: int = 16, prefill_batch: int = 8,
-                 prefix_cache: bool = True, prefix_sharing: bool | None = None,
-                 chunked_prefill_size: int | None = None,
-                 prefill_buckets: Sequence[int] = (64, 128, 256, 512, 1024, 2048, 4096, 8192),
-                 seed: int = 0, cache_dtype: str | None = None, original_logprobs: bool = False,
-                 mesh: jax.sharding.Mesh | None = None):
-        if slots < 1 or max_length < 2:
-            raise ValueError(f"JaxEngine: slots ({slots}) must be >= 1 and max_length ({max_length}) >= 2")
-        if page_size < 1 or prefill_batch < 1:
-            raise ValueError(f"JaxEngine: page_size ({page_size}) and prefill_batch ({prefill_batch}) must be >= 1")
-        if chunked_prefill_size is not None and chunked_prefill_size < 0:
-            raise ValueError(f"JaxEngine: chunked_prefill_size ({chunked_prefill_size}) must be >= 0 (0: off)")
-        total = slots * max_length if max_total_tokens is None else int(max_total_tokens)
-        if total < max_length:
-            raise ValueError(f"JaxEngine: max_total_tokens ({total}) must be >= max_length ({max_length}) "
-                             f"so that one request always fits")
-        self.slots = slots
-        self.max_length = max_length
-        self.page_size = page_size
-        self.prefill_batch = min(prefill_batch, slots)
-        self.pages_per_sequence = -(-max_length // page_size)
-        self.num_pages = -(-total // page_size)
-        self.max_total_tokens = self.num_pages * page_size
-        self._span = self.pages_per_sequence * page_size  # positions a page-table row addresses
-        self._span_buckets = sorted({-(-self.pages_per_sequence // d) for d in (8, 4, 2, 1)})
-        self.vocab_size = model.config.vocab_size
-        self.buckets = sorted({min(b, max_length) for b in prefill_buckets} | {max_length})
-        self._graphdef, self._state = nnx.split(model)
-        self._cache = model.init_paged_cache(self.num_pages, page_size, cache_dtype)
-        if mesh is not None:
-            self._cache = jax.device_put(self._cache, pool_sharding(mesh, model.config.num_kv_heads))
-        self._free_pages = list(range(self.num_pages - 1, -1, -1))  # a stack: pop() takes the lowest
-        # Holders per page: running requests (slots) and cached prefixes. A page with none is free; one
-        # held by cached prefixes only is evictable.
-        self._slot_refs = [0] * self.num_pages
-        self._cache_refs = [0] * self.num_pages
-        self._evictable_pages = 0
-        self._slot_pages: list[list[int]] = [[] for _ in range(slots)]
-        self._page_table = np.full((slots, self.pages_per_sequence), self.num_pages, np.int32)  # unallocated
-        self.prefix_cache = prefix_cache
-        self.prefix_sharing = prefix_cache if prefix_sharing is None else prefix_sharing
-        self.chunked_prefill_size = chunked_prefill_size or None
-        # Full pages by (the page before, or -1, and their tokens): a prefix tree over the pool's pages.
-        self._page_index: dict[tuple[int, tuple[int, ...]], int] = {}
-        self._page_keys: dict[int, tuple[int, tuple[int, ...]]] = {}  # indexed page -> its key
-        self._prefilling = np.zeros(slots, bool)  # admitted, context not all prefilled yet (chunked)
-        self.shared_pages = 0
-        self.shared_tokens = 0
-        # Cached prefix -> the pages holding its KV, least recently cached first. A lookup finds its
-        # candidates by their first PREFIX_HEAD tokens (all of them for shorter prefixes).
-        self._prefixes: collections.OrderedDict[tuple[int, ...], list[int]] = collections.OrderedDict()
-        self._prefix_heads: dict[tuple[int, ...], set[tuple[int, ...]]] = collections.defaultdict(set)
-        self._short_prefix_lengths: collections.Counter[int] = collections.Counter()
-        self.prompt_tokens = 0  # context tokens of first admissions, and those the cache supplied
-        self.cached_tokens = 0
-        self._key = jax.random.key(seed)
-        self._version = 0
-        self._incoming: queue.Queue[_Request] = queue.Queue()  # from the event loop; drained by the engine
-        self._waiting: collections.deque[_Request] = collections.deque()
-        self._retracted: collections.deque[_Request] = collections.deque()  # admitted before new requests
-        self._active: list[_Request | None] = [None] * slots
-        self._positions = np.zeros(slots, np.int32)  # next position to write per slot
-        self._last_token = np.zeros(slots, np.int32)
-        self._new_token_ratio = INIT_NEW_TOKEN_RATIO
-        self._lock = threading.RLock()  # held for a whole engine step and for weight swaps
-        self._wake = threading.Event()
-        self._stopped = False
-        self._abort_rids: set[str] = set()
-        self._original_logprobs = original_logprobs
-        self.original_logprobs = original_logprobs  # output log-probs at temperature 1 (see the module docstring)
-        self._admission_blocks = 0  # > 0 while a weight update drains running requests
-        self._pause_mode: str | None = None
-        self._thread = threading.Thread(target=self._run, name="jax-engine", daemon=True)
-        self._rid_counter = itertools.count()
-        self._cancel_pending = False  # some request was flagged `ended` since the last step
-        self.generated_tokens = 0  # tokens sampled so far (every request, aborted ones included)
-        self.on_first_token: Callable[[float], None] | None = None
-        self._score = functools.lru_cache(maxsize=None)(
-            lambda top_k: jax.jit(functools.partial(score_step, self._graphdef, top_k)))
-        self._prefill = jax.jit(functools.partial(prefill_step, self._graphdef, original_logprobs), donate_argnums=(1,))
-        self._decode = jax.jit(functools.partial(decode_step, self._graphdef, original_logprobs), donate_argnums=(1,))
-        self.steps = 0
-        self.retractions = 0  # requests retracted so far (all of them)
-        self._thread.start()
-
-    # -- public API ---------------------------------------------------------------------------
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def model(self) -> Qwen3:
-        """The model generation runs on now (the parameters of the last weight update), in variables of
-        its own: changing them does not change the engine's."""
-        return nnx.merge(self._graphdef, self._state, copy=True)
-
-    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None, *,
-                       on_token: Callable[[int, float], bool | None] | None = None) -> GenerateResult:
-        """Generates from `input_ids`. `on_token(token, logprob)` (optional) runs on this event loop
-        for each token as it is sampled, all of them before this returns; True from it ends the request."""
-        if self._stopped:
-            raise RuntimeError("JaxEngine is closed")
-        prompt = [int(t) for t in input_ids]
-        if not prompt:
-            raise ValueError("generate: input_ids must be non-empty")
-        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
-            raise ValueError(f"generate: input_ids must lie in [0, {self.vocab_size})")
-        if len(prompt) >= self.max_length:
-            raise ContextLengthExceeded(f"generate: prompt of {len(prompt)} tokens does not fit max_length "
-                                        f"{self.max_length}")
-        if len(sampling.stop_token_ids) > MAX_STOP_IDS:
-            raise ValueError(f"generate: at most {MAX_STOP_IDS} stop token ids, got {len(sampling.stop_token_ids)}")
-        loop = asyncio.get_running_loop()
-        request = _Request(rid or f"{next(self._rid_counter):016x}", prompt, sampling, loop.create_future(), loop,
-                           on_token=on_token)
-        self._incoming.put(request)
-        self._wake.set()
-        try:
-            return await asyncio.shield(request.future)
-        except asyncio.CancelledError:
-            self._end(request)  # the caller is gone: free the slot
-            raise
+class _Scheduler:
+    """The engine thread's side of `JaxEngine`: the slots and queues, admission, chunked prefill,
+    decode steps and retraction, and the device calls they make, over the engine's `PagePool` and
+    `PrefixCache`. Its state is set up by `JaxEngine.__init__`; its methods run under the engine's
+    lock, on the engine thread (or in a public method holding the lock)."""
 
     def _end(self, request: _Request) -> None:
         """Aborts this request (only: not every rid it prefixes) at the next engine step."""
@@ -361,152 +226,6 @@ class JaxEngine:
         self._cancel_pending = True
         self._wake.set()
 
-    def score(self, token_ids: Sequence[int], *, start: int = 1, top_k: int = 0,
-              temperature: Sequence[float] | float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Log-probs of token_ids[t] given token_ids[:t], for t in [start, len(token_ids)), from one
-        full forward on the current weights (blocking; call it from a worker thread).
-
-        temperature: one value, or one per scored position (SGLang scales the distributions behind
-        sampled tokens by the request's temperature, and reports prompt tokens at temperature 1).
-        Returns (logprobs [n], top_logprobs [n, top_k], top_ids [n, top_k]), n = len(token_ids) - start:
-        row i describes the distribution of position start + i."""
-        ids = [int(t) for t in token_ids]
-        n = len(ids) - start
-        if not 1 <= start < len(ids):
-            raise ValueError(f"score: start must be in [1, {len(ids)}), got {start}")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            raise ValueError(f"score: token ids must lie in [0, {self.vocab_size})")
-        if not 0 <= top_k <= self.vocab_size:
-            raise ValueError(f"score: top_k must be in [0, {self.vocab_size}], got {top_k}")
-        inputs = ids[:-1]  # the last token is only ever a target
-        bucket = next((b for b in self.buckets if b >= len(inputs)), len(inputs))
-        padded, targets = np.zeros(bucket, np.int32), np.zeros(bucket, np.int32)
-        padded[:len(inputs)], targets[:len(inputs)] = inputs, ids[1:]
-        temps = np.ones(bucket, np.float32)
-        temps[start - 1:len(inputs)] = np.broadcast_to(np.asarray(temperature, np.float32), (n,))
-        # k rounded up to a power of two: a client asking for 3, then 5, reuses one compiled kernel.
-        k = min(1 << (top_k - 1).bit_length(), self.vocab_size) if top_k else 0
-        picked, values, indices = self._score(k)(self._state, jnp.asarray(padded), jnp.asarray(targets),
-                                                 jnp.asarray(temps))
-        rows = slice(start - 1, len(inputs))
-        return (np.asarray(picked)[rows], np.asarray(values)[rows, :top_k], np.asarray(indices)[rows, :top_k])
-
-    async def abort(self, rid: str) -> None:
-        """Aborts requests whose rid starts with `rid` (SGLang's prefix semantics); "" is ignored."""
-        if not rid:
-            return
-        self._abort_rids.add(rid)
-        self._wake.set()
-
-    async def capacity(self) -> Capacity:
-        with self._lock:
-            running = sum(r is not None for r in self._active)
-            used = (self.num_pages - len(self._free_pages) - self._evictable_pages) * self.page_size
-            queued = len(self._waiting) + len(self._retracted) + self._incoming.qsize()
-            retracted = len(self._retracted)
-        return Capacity(total_tokens=self.max_total_tokens, used_tokens=used, running_requests=running,
-                        queued_requests=queued, retracted_requests=retracted, context_length=self.max_length,
-                        max_input_tokens=self.max_length - 1)
-
-    def update_weights(self, model_or_state, *, abort_in_flight: bool = False, version: int | None = None) -> int:
-        """Swaps in new parameters (a `Qwen3` or its `nnx.State`) and returns the new version.
-
-        Parameters are resharded onto the engine's placements when they live elsewhere. Without
-        `abort_in_flight`, running and retracted requests finish on the old weights first (new ones
-        wait); with it they end at once with reason "abort" and their partial tokens. While the engine
-        is paused the swap happens at once. Blocks until the swap is done.
-        """
-        state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
-        if jax.tree.structure(state) != jax.tree.structure(self._state):
-            raise ValueError("update_weights: the new parameters do not match the engine's model structure")
-        for (path, new), old in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(self._state)):
-            if new.shape != old.shape:
-                raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} has shape {new.shape}, "
-                                 f"the engine's is {old.shape}")
-        # device_put onto the engine's shardings reshards when the trainer's mesh differs.
-        new_state = jax.tree.map(lambda new, old: jax.device_put(new.astype(old.dtype), old.sharding),
-                                 state, self._state)
-        with self._lock:
-            self._admission_blocks += 1
-        try:
-            while True:
-                with self._lock:
-                    if abort_in_flight:
-                        self._abort_in_flight()
-                    drained = all(r is None for r in self._active) and not self._retracted
-                    if drained or self._pause_mode is not None:
-                        self._drop_prefixes()  # their KV came from the old weights
-                        self._state = new_state
-                        self._version = self._version + 1 if version is None else int(version)
-                        return self._version
-                self._wake.set()
-                time.sleep(0.002)  # running requests finish on the old weights
-        finally:
-            with self._lock:
-                self._admission_blocks -= 1
-            self._wake.set()
-
-    def pause(self, mode: str = "abort") -> int:
-        """SGLang's `/pause_generation`: "abort", "retract" or "in_place" (see the module docstring).
-
-        New requests stay queued until `resume()`. Returns how many requests were aborted, retracted
-        or frozen."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause: mode must be one of {PAUSE_MODES}, got {mode!r}")
-        with self._lock:
-            self._drain_incoming()
-            self._pause_mode = mode
-            running = [slot for slot, r in enumerate(self._active) if r is not None]
-            if mode == "abort":
-                affected = self._abort_in_flight()
-                while self._waiting:
-                    self._resolve(self._waiting.popleft(), FINISH_ABORT)
-                    affected += 1
-                return affected
-            if mode == "retract":
-                for slot in reversed(running):  # appendleft: the earliest slot ends up first
-                    self._retract(slot)
-            return len(running)
-
-    def resume(self) -> None:
-        """Ends a pause: retracted and queued requests are admitted again, frozen ones go on decoding."""
-        with self._lock:
-            self._pause_mode = None
-        self._wake.set()
-
-    @property
-    def paused(self) -> bool:
-        return self._pause_mode is not None
-
-    def abort_all(self) -> int:
-        """Aborts every running and queued request (they return their partial tokens); returns how many."""
-        with self._lock:
-            count = (sum(r is not None for r in self._active) + len(self._waiting) + len(self._retracted)
-                     + self._incoming.qsize())
-            self._abort_rids.add("")  # the empty prefix matches every rid
-        self._wake.set()
-        return count
-
-    def flush_cache(self) -> bool:
-        """SGLang's `/flush_cache`: drops the prefix cache; refused (False) while any request is in flight."""
-        with self._lock:
-            if not self.is_idle():
-                return False
-            self._drop_prefixes()
-            return True
-
-    def is_idle(self) -> bool:
-        """True when no request is running or queued."""
-        with self._lock:
-            return (all(r is None for r in self._active) and not self._waiting and not self._retracted
-                    and self._incoming.empty())
-
-    def close(self) -> None:
-        self._stopped = True
-        self._wake.set()
-        self._thread.join(timeout=30)
-
-    # -- engine loop (background thread) ------------------------------------------------------
     def _next_key(self):
         self._key, key = jax.random.split(self._key)
         return key
@@ -521,11 +240,11 @@ class JaxEngine:
         pages = self._slot_pages[slot]
         written = int(self._positions[slot])  # KV holds positions [0, written): the last token was not fed
         if keep_prefix and self.prefix_cache and written > 0:
-            self._cache_prefix(tuple(self._context(request)[:written]), pages[:self._pages_for(written)])
+            self._prefixes.insert(tuple(self._context(request)[:written]), pages[:self._pages_for(written)])
         self._active[slot] = None
         self._positions[slot] = 0
         self._prefilling[slot] = False
-        self._ref(pages, slot=-1)
+        self._pool.ref(pages, slot=-1)
         self._slot_pages[slot] = []
         self._page_table[slot] = self.num_pages
         return request
@@ -537,115 +256,21 @@ class JaxEngine:
     def _context(request: _Request) -> list[int]:
         return request.prompt + request.tokens if request.tokens else request.prompt
 
-    # -- page references, the page index and the prefix cache ----------------------------------
-    def _ref(self, pages: list[int], slot: int = 0, cache: int = 0) -> None:
-        """Adds `slot` running-request and `cache` cached-prefix references to each page; a page left
-        with none goes back to the free stack (and out of the page index)."""
-        freed = []
-        for page in pages:
-            was = self._slot_refs[page] == 0 and self._cache_refs[page] > 0
-            self._slot_refs[page] += slot
-            self._cache_refs[page] += cache
-            held, cached = self._slot_refs[page], self._cache_refs[page]
-            self._evictable_pages += (held == 0 and cached > 0) - was
-            if held == 0 and cached == 0:
-                freed.append(page)
-                key = self._page_keys.pop(page, None)
-                if key is not None:
-                    del self._page_index[key]
-        self._free_pages.extend(reversed(freed))
-
-    def _evictable(self, page: int) -> bool:
-        return self._slot_refs[page] == 0 and self._cache_refs[page] > 0
-
-    def _register(self, pages: list[int], context: Sequence[int], start: int, end: int) -> None:
-        """Indexes the full pages among those holding context[start:end] (just written), so later
-        requests can share them. Stops where the chain leaves the index: another page already holds
-        that prefix, and pages after it could never be reached."""
-        size = self.page_size
-        for j in range(start // size, end // size):
-            page = pages[j]
-            if page in self._page_keys:
-                continue
-            parent = pages[j - 1] if j else -1
-            if j and parent not in self._page_keys:
-                return
-            key = (parent, tuple(context[j * size:(j + 1) * size]))
-            if self._page_index.setdefault(key, page) != page:
-                return
-            self._page_keys[page] = key
-
-    def _shared_prefix(self, context: list[int]) -> list[int]:
-        """The indexed pages holding the longest page-aligned prefix of `context` that leaves at
-        least one token to prefill (its logits give the first sample)."""
-        size, pages, parent = self.page_size, [], -1
-        for j in range((len(context) - 1) // size):
-            page = self._page_index.get((parent, tuple(context[j * size:(j + 1) * size])))
-            if page is None:
-                break
-            pages.append(page)
-            parent = page
-        return pages
-
     def _plan(self, context: list[int]) -> tuple[list[int], tuple[int, ...] | None, int]:
         """How a request starts: (pages it takes, the cached prefix it takes over or None, tokens
         those pages hold). A cached prefix (with its partial last page) is taken over when it holds
         more than the shareable full pages; otherwise those are shared and the prefix stays cached."""
-        shared = self._shared_prefix(context) if self.prefix_sharing and self._page_index else []
-        hit = self._lookup_prefix(context) if self._prefixes else None
+        shared = self._pool.shared_prefix(context) if self.prefix_sharing and self._pool.index else []
+        hit = self._prefixes.lookup(context) if self._prefixes else None
         if hit is not None and len(hit) > len(shared) * self.page_size:
             return list(self._prefixes[hit]), hit, len(hit)
         return shared, None, len(shared) * self.page_size
 
-    def _cache_prefix(self, tokens: tuple[int, ...], pages: list[int]) -> None:
-        if tokens in self._prefixes:  # the same prefix again (a repeated request): keep the newer pages
-            self._ref(self._take_prefix(tokens), cache=-1)
-        self._ref(pages, cache=1)
-        self._prefixes[tokens] = pages
-        self._prefix_heads[tokens[:PREFIX_HEAD]].add(tokens)
-        if len(tokens) < PREFIX_HEAD:
-            self._short_prefix_lengths[len(tokens)] += 1
-        if self.prefix_sharing:  # pages filled by decoding become shareable too
-            self._register(pages, tokens, 0, len(tokens))
-
-    def _lookup_prefix(self, context: list[int]) -> tuple[int, ...] | None:
-        """The longest cached prefix of `context` that leaves at least one token to prefill."""
-        heads = {min(len(context), PREFIX_HEAD)} | {n for n, c in self._short_prefix_lengths.items() if c}
-        best = None
-        for head in heads:
-            for key in self._prefix_heads.get(tuple(context[:head]), ()):
-                if len(key) < len(context) and (best is None or len(key) > len(best)) \
-                        and tuple(context[:len(key)]) == key:
-                    best = key
-        return best
-
-    def _take_prefix(self, key: tuple[int, ...]) -> list[int]:
-        """Removes a cached prefix; its pages keep their references (the caller moves or drops them)."""
-        head = key[:PREFIX_HEAD]
-        self._prefix_heads[head].discard(key)
-        if not self._prefix_heads[head]:
-            del self._prefix_heads[head]
-        if len(key) < PREFIX_HEAD:
-            self._short_prefix_lengths[len(key)] -= 1
-        return self._prefixes.pop(key)
-
-    def _reclaim(self, pages: int) -> None:
-        """Evicts cached prefixes, least recently cached first, until `pages` are free (or none is
-        left). Pages a running request also holds stay with it."""
-        if len(self._free_pages) >= pages:  # the common case, every decode step: nothing to evict
-            return
-        for key in list(self._prefixes):
-            if len(self._free_pages) >= pages:
-                return
-            self._ref(self._take_prefix(key), cache=-1)
-
     def _drop_prefixes(self) -> None:
-        for key in list(self._prefixes):
-            self._ref(self._take_prefix(key), cache=-1)
+        self._prefixes.clear()
         # Pages running requests still hold (frozen in place across a weight update) keep old-weight
         # KV: no new request may share them.
-        self._page_index.clear()
-        self._page_keys.clear()
+        self._pool.clear_index()
 
     def _retract(self, slot: int) -> None:
         """Frees the slot's pages and puts its request at the front of the queue, tokens kept."""
@@ -781,7 +406,7 @@ class JaxEngine:
             pages = self._pages_for(len(context))
             private = pages - len(held)
             # Evictable pages the request takes stop being room; shared pages are counted once.
-            available = len(self._free_pages) + self._evictable_pages - sum(map(self._evictable, held))
+            available = len(self._pool.free) + self._pool.evictable - sum(map(self._pool.is_evictable, held))
             estimate = ratio * self._remaining_budget(request)
             if running and (private > available or private * self.page_size + estimate
                             > available * self.page_size - reserved):
@@ -791,15 +416,14 @@ class JaxEngine:
                 break  # no prefill budget left this step
             source.popleft()
             if hit is not None:
-                self._take_prefix(hit)
-                self._ref(held, slot=1, cache=-1)  # the cached prefix's references become the request's
+                self._prefixes.take(hit)
+                self._pool.ref(held, slot=1, cache=-1)  # the cached prefix's references become the request's
             else:
-                self._ref(held, slot=1)
+                self._pool.ref(held, slot=1)
                 self.shared_pages += len(held)
                 self.shared_tokens += start
-            self._reclaim(private)
-            new = [self._free_pages.pop() for _ in range(private)]
-            self._ref(new, slot=1)
+            self._prefixes.evict(private)
+            new = self._pool.allocate(private)
             self._slot_pages[slot] = held + new
             self._page_table[slot, :pages] = self._slot_pages[slot]
             if not request.tokens and not request.retractions:  # a first admission
@@ -861,7 +485,7 @@ class JaxEngine:
             self._active[slot] = request
             self._positions[slot] = end
             if self.prefix_sharing:
-                self._register(self._slot_pages[slot], contexts[row], start, end)
+                self._pool.register(self._slot_pages[slot], contexts[row], start, end)
             self._prefilling[slot] = end < len(contexts[row])
             if self._prefilling[slot]:
                 continue  # a chunk: the rest follows in the next steps
@@ -889,15 +513,15 @@ class JaxEngine:
     def _grow_pages(self) -> None:
         """Gives every decoding request the page its next position needs, retracting when the pool is out."""
         needy = [i for i in self._decoding() if self._positions[i] // self.page_size >= len(self._slot_pages[i])]
-        self._reclaim(len(needy))  # cached prefixes go before any running request
-        if len(needy) > len(self._free_pages):
-            while len(needy) > len(self._free_pages):
+        self._prefixes.evict(len(needy))  # cached prefixes go before any running request
+        if len(needy) > len(self._pool.free):
+            while len(needy) > len(self._pool.free):
                 running = [i for i, r in enumerate(self._active) if r is not None]
                 victim = min(running, key=lambda i: (len(self._active[i].tokens), -len(self._active[i].prompt)))
                 self._retract(victim)
                 if victim in needy:
                     needy.remove(victim)
-                self._reclaim(len(needy))  # pages the victim shared with cached prefixes only
+                self._prefixes.evict(len(needy))  # pages the victim shared with cached prefixes only
             remaining = [r for r in self._active if r is not None]
             if remaining:  # SGLang's post-retraction estimate of the share of the budget still to come
                 decoded = sum(len(r.tokens) for r in remaining) + RETRACT_DECODE_STEPS * len(remaining)
@@ -905,8 +529,7 @@ class JaxEngine:
                 self._new_token_ratio = min(1.0, decoded / max(budget, 1))
             else:
                 self._new_token_ratio = INIT_NEW_TOKEN_RATIO
-        new = [self._free_pages.pop() for _ in needy]
-        self._ref(new, slot=1)
+        new = self._pool.allocate(len(needy))
         for i, page in zip(needy, new):
             self._page_table[i, len(self._slot_pages[i])] = page
             self._slot_pages[i].append(page)
@@ -958,3 +581,302 @@ class JaxEngine:
             self._abort_in_flight()
             while self._waiting:
                 self._resolve(self._waiting.popleft(), FINISH_ABORT)
+
+
+class JaxEngine(_Scheduler):
+    """Continuous-batching generator over a Qwen3 model. Thread-safe; asyncio front end.
+
+    slots: concurrent requests (SGLang's max_running_requests). max_length: context length, prompt
+    + output of one request. max_total_tokens: the KV pool in tokens (default slots x max_length,
+    never overcommitted); at least max_length, so one request always fits. page_size: tokens per page.
+    prefill_batch: requests admitted in one step are prefilled together, this many rows per call
+    (a lone request runs as one row, so there are two compiled shapes per prompt bucket).
+    prefix_cache: keep finished requests' KV for requests that continue them (see the module docstring).
+    prefix_sharing: share full KV pages between requests whose contexts start alike (default: as
+    prefix_cache). chunked_prefill_size: prefill tokens per engine step (None or 0: no limit).
+    Counters: `shared_pages`, the pages admissions took from another holder (a running request or a
+    cached prefix) instead of prefilling them, and `shared_tokens`, the context tokens those pages
+    held, both cumulative over every admission (re-admissions after retraction included).
+    The attribute `on_first_token` (default None), if set, is called from the engine thread with each
+    request's seconds from submission to its first token, e.g. for a metrics histogram; it must be quick.
+    """
+
+    name = "jax"
+
+    def __init__(self, model: Qwen3, *, slots: int = 8, max_length: int = 2048,
+                 max_total_tokens: int | None = None, page_size: int = 16, prefill_batch: int = 8,
+                 prefix_cache: bool = True, prefix_sharing: bool | None = None,
+                 chunked_prefill_size: int | None = None,
+                 prefill_buckets: Sequence[int] = (64, 128, 256, 512, 1024, 2048, 4096, 8192),
+                 seed: int = 0, cache_dtype: str | None = None, original_logprobs: bool = False,
+                 mesh: jax.sharding.Mesh | None = None):
+        if slots < 1 or max_length < 2:
+            raise ValueError(f"JaxEngine: slots ({slots}) must be >= 1 and max_length ({max_length}) >= 2")
+        if page_size < 1 or prefill_batch < 1:
+            raise ValueError(f"JaxEngine: page_size ({page_size}) and prefill_batch ({prefill_batch}) must be >= 1")
+        if chunked_prefill_size is not None and chunked_prefill_size < 0:
+            raise ValueError(f"JaxEngine: chunked_prefill_size ({chunked_prefill_size}) must be >= 0 (0: off)")
+        total = slots * max_length if max_total_tokens is None else int(max_total_tokens)
+        if total < max_length:
+            raise ValueError(f"JaxEngine: max_total_tokens ({total}) must be >= max_length ({max_length}) "
+                             f"so that one request always fits")
+        self.slots = slots
+        self.max_length = max_length
+        self.page_size = page_size
+        self.prefill_batch = min(prefill_batch, slots)
+        self.pages_per_sequence = -(-max_length // page_size)
+        self.num_pages = -(-total // page_size)
+        self.max_total_tokens = self.num_pages * page_size
+        self._span = self.pages_per_sequence * page_size  # positions a page-table row addresses
+        self._span_buckets = sorted({-(-self.pages_per_sequence // d) for d in (8, 4, 2, 1)})
+        self.vocab_size = model.config.vocab_size
+        self.buckets = sorted({min(b, max_length) for b in prefill_buckets} | {max_length})
+        self._graphdef, self._state = nnx.split(model)
+        self._cache = model.init_paged_cache(self.num_pages, page_size, cache_dtype)
+        if mesh is not None:
+            self._cache = jax.device_put(self._cache, pool_sharding(mesh, model.config.num_kv_heads))
+        self._pool = PagePool(self.num_pages, page_size)
+        self._slot_pages: list[list[int]] = [[] for _ in range(slots)]
+        self._page_table = np.full((slots, self.pages_per_sequence), self.num_pages, np.int32)  # unallocated
+        self.prefix_cache = prefix_cache
+        self.prefix_sharing = prefix_cache if prefix_sharing is None else prefix_sharing
+        self.chunked_prefill_size = chunked_prefill_size or None
+        self._prefilling = np.zeros(slots, bool)  # admitted, context not all prefilled yet (chunked)
+        self.shared_pages = 0
+        self.shared_tokens = 0
+        self._prefixes = PrefixCache(self._pool, share_pages=self.prefix_sharing)
+        self.prompt_tokens = 0  # context tokens of first admissions, and those the cache supplied
+        self.cached_tokens = 0
+        self._key = jax.random.key(seed)
+        self._version = 0
+        self._incoming: queue.Queue[_Request] = queue.Queue()  # from the event loop; drained by the engine
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._retracted: collections.deque[_Request] = collections.deque()  # admitted before new requests
+        self._active: list[_Request | None] = [None] * slots
+        self._positions = np.zeros(slots, np.int32)  # next position to write per slot
+        self._last_token = np.zeros(slots, np.int32)
+        self._new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self._lock = threading.RLock()  # held for a whole engine step and for weight swaps
+        self._wake = threading.Event()
+        self._stopped = False
+        self._abort_rids: set[str] = set()
+        self._original_logprobs = original_logprobs
+        self.original_logprobs = original_logprobs  # output log-probs at temperature 1 (see the module docstring)
+        self._admission_blocks = 0  # > 0 while a weight update drains running requests
+        self._pause_mode: str | None = None
+        self._thread = threading.Thread(target=self._run, name="jax-engine", daemon=True)
+        self._rid_counter = itertools.count()
+        self._cancel_pending = False  # some request was flagged `ended` since the last step
+        self.generated_tokens = 0  # tokens sampled so far (every request, aborted ones included)
+        self.on_first_token: Callable[[float], None] | None = None
+        self._score = functools.lru_cache(maxsize=None)(
+            lambda top_k: jax.jit(functools.partial(score_step, self._graphdef, top_k)))
+        self._prefill = jax.jit(functools.partial(prefill_step, self._graphdef, original_logprobs), donate_argnums=(1,))
+        self._decode = jax.jit(functools.partial(decode_step, self._graphdef, original_logprobs), donate_argnums=(1,))
+        self.steps = 0
+        self.retractions = 0  # requests retracted so far (all of them)
+        self._thread.start()
+
+    # -- public API ---------------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def model(self) -> Qwen3:
+        """The model generation runs on now (the parameters of the last weight update), in variables of
+        its own: changing them does not change the engine's."""
+        return nnx.merge(self._graphdef, self._state, copy=True)
+
+    async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None, *,
+                       on_token: Callable[[int, float], bool | None] | None = None) -> GenerateResult:
+        """Generates from `input_ids`. `on_token(token, logprob)` (optional) runs on this event loop
+        for each token as it is sampled, all of them before this returns; True from it ends the request."""
+        if self._stopped:
+            raise RuntimeError("JaxEngine is closed")
+        prompt = [int(t) for t in input_ids]
+        if not prompt:
+            raise ValueError("generate: input_ids must be non-empty")
+        if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+            raise ValueError(f"generate: input_ids must lie in [0, {self.vocab_size})")
+        if len(prompt) >= self.max_length:
+            raise ContextLengthExceeded(f"generate: prompt of {len(prompt)} tokens does not fit max_length "
+                                        f"{self.max_length}")
+        if len(sampling.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"generate: at most {MAX_STOP_IDS} stop token ids, got {len(sampling.stop_token_ids)}")
+        loop = asyncio.get_running_loop()
+        request = _Request(rid or f"{next(self._rid_counter):016x}", prompt, sampling, loop.create_future(), loop,
+                           on_token=on_token)
+        self._incoming.put(request)
+        self._wake.set()
+        try:
+            return await asyncio.shield(request.future)
+        except asyncio.CancelledError:
+            self._end(request)  # the caller is gone: free the slot
+            raise
+
+    def score(self, token_ids: Sequence[int], *, start: int = 1, top_k: int = 0,
+              temperature: Sequence[float] | float = 1.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Log-probs of token_ids[t] given token_ids[:t], for t in [start, len(token_ids)), from one
+        full forward on the current weights (blocking; call it from a worker thread).
+
+        temperature: one value, or one per scored position (SGLang scales the distributions behind
+        sampled tokens by the request's temperature, and reports prompt tokens at temperature 1).
+        Returns (logprobs [n], top_logprobs [n, top_k], top_ids [n, top_k]), n = len(token_ids) - start:
+        row i describes the distribution of position start + i."""
+        ids = [int(t) for t in token_ids]
+        n = len(ids) - start
+        if not 1 <= start < len(ids):
+            raise ValueError(f"score: start must be in [1, {len(ids)}), got {start}")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            raise ValueError(f"score: token ids must lie in [0, {self.vocab_size})")
+        if not 0 <= top_k <= self.vocab_size:
+            raise ValueError(f"score: top_k must be in [0, {self.vocab_size}], got {top_k}")
+        inputs = ids[:-1]  # the last token is only ever a target
+        bucket = next((b for b in self.buckets if b >= len(inputs)), len(inputs))
+        padded, targets = np.zeros(bucket, np.int32), np.zeros(bucket, np.int32)
+        padded[:len(inputs)], targets[:len(inputs)] = inputs, ids[1:]
+        temps = np.ones(bucket, np.float32)
+        temps[start - 1:len(inputs)] = np.broadcast_to(np.asarray(temperature, np.float32), (n,))
+        # k rounded up to a power of two: a client asking for 3, then 5, reuses one compiled kernel.
+        k = min(1 << (top_k - 1).bit_length(), self.vocab_size) if top_k else 0
+        picked, values, indices = self._score(k)(self._state, jnp.asarray(padded), jnp.asarray(targets),
+                                                 jnp.asarray(temps))
+        rows = slice(start - 1, len(inputs))
+        return (np.asarray(picked)[rows], np.asarray(values)[rows, :top_k], np.asarray(indices)[rows, :top_k])
+
+    async def abort(self, rid: str) -> None:
+        """Aborts requests whose rid starts with `rid` (SGLang's prefix semantics); "" is ignored."""
+        if not rid:
+            return
+        self._abort_rids.add(rid)
+        self._wake.set()
+
+    async def capacity(self) -> Capacity:
+        with self._lock:
+            running = sum(r is not None for r in self._active)
+            used = self._pool.used * self.page_size
+            queued = len(self._waiting) + len(self._retracted) + self._incoming.qsize()
+            retracted = len(self._retracted)
+        return Capacity(total_tokens=self.max_total_tokens, used_tokens=used, running_requests=running,
+                        queued_requests=queued, retracted_requests=retracted, context_length=self.max_length,
+                        max_input_tokens=self.max_length - 1)
+
+    def update_weights(self, model_or_state, *, abort_in_flight: bool = False, version: int | None = None) -> int:
+        """Swaps in new parameters (a `Qwen3` or its `nnx.State`) and returns the new version.
+
+        Parameters are resharded onto the engine's placements when they live elsewhere. Without
+        `abort_in_flight`, running and retracted requests finish on the old weights first (new ones
+        wait); with it they end at once with reason "abort" and their partial tokens. While the engine
+        is paused the swap happens at once. Blocks until the swap is done.
+        """
+        state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
+        if jax.tree.structure(state) != jax.tree.structure(self._state):
+            raise ValueError("update_weights: the new parameters do not match the engine's model structure")
+        for (path, new), old in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(self._state)):
+            if new.shape != old.shape:
+                raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} has shape {new.shape}, "
+                                 f"the engine's is {old.shape}")
+        # device_put onto the engine's shardings reshards when the trainer's mesh differs.
+        new_state = jax.tree.map(lambda new, old: jax.device_put(new.astype(old.dtype), old.sharding),
+                                 state, self._state)
+        with self._lock:
+            self._admission_blocks += 1
+        try:
+            while True:
+                with self._lock:
+                    if abort_in_flight:
+                        self._abort_in_flight()
+                    drained = all(r is None for r in self._active) and not self._retracted
+                    if drained or self._pause_mode is not None:
+                        self._drop_prefixes()  # their KV came from the old weights
+                        self._state = new_state
+                        self._version = self._version + 1 if version is None else int(version)
+                        return self._version
+                self._wake.set()
+                time.sleep(0.002)  # running requests finish on the old weights
+        finally:
+            with self._lock:
+                self._admission_blocks -= 1
+            self._wake.set()
+
+    def pause(self, mode: str = "abort") -> int:
+        """SGLang's `/pause_generation`: "abort", "retract" or "in_place" (see the module docstring).
+
+        New requests stay queued until `resume()`. Returns how many requests were aborted, retracted
+        or frozen."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause: mode must be one of {PAUSE_MODES}, got {mode!r}")
+        with self._lock:
+            self._drain_incoming()
+            self._pause_mode = mode
+            running = [slot for slot, r in enumerate(self._active) if r is not None]
+            if mode == "abort":
+                affected = self._abort_in_flight()
+                while self._waiting:
+                    self._resolve(self._waiting.popleft(), FINISH_ABORT)
+                    affected += 1
+                return affected
+            if mode == "retract":
+                for slot in reversed(running):  # appendleft: the earliest slot ends up first
+                    self._retract(slot)
+            return len(running)
+
+    def resume(self) -> None:
+        """Ends a pause: retracted and queued requests are admitted again, frozen ones go on decoding."""
+        with self._lock:
+            self._pause_mode = None
+        self._wake.set()
+
+    @property
+    def paused(self) -> bool:
+        return self._pause_mode is not None
+
+    def abort_all(self) -> int:
+        """Aborts every running and queued request (they return their partial tokens); returns how many."""
+        with self._lock:
+            count = (sum(r is not None for r in self._active) + len(self._waiting) + len(self._retracted)
+                     + self._incoming.qsize())
+            self._abort_rids.add("")  # the empty prefix matches every rid
+        self._wake.set()
+        return count
+
+    def flush_cache(self) -> bool:
+        """SGLang's `/flush_cache`: drops the prefix cache; refused (False) while any request is in flight."""
+        with self._lock:
+            if not self.is_idle():
+                return False
+            self._drop_prefixes()
+            return True
+
+    def is_idle(self) -> bool:
+        """True when no request is running or queued."""
+        with self._lock:
+            return (all(r is None for r in self._active) and not self._waiting and not self._retracted
+                    and self._incoming.empty())
+
+    def close(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # -- the page pool's bookkeeping, read by tests -------------------------------------------
+    @property
+    def _free_pages(self) -> list[int]:
+        return self._pool.free
+
+    @property
+    def _slot_refs(self) -> list[int]:
+        return self._pool.slot_refs
+
+    @property
+    def _cache_refs(self) -> list[int]:
+        return self._pool.cache_refs
+
+    @property
+    def _evictable_pages(self) -> int:
+        return self._pool.evictable
+
+    @property
+    def _page_index(self) -> dict:
+        return self._pool.index
