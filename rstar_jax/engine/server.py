@@ -3,26 +3,15 @@
 The surface is SGLang's, with its field names, formats and semantics: `/generate` (token ids, or
 `text` and `stop` strings when a tokenizer is loaded; `stream=true` sends cumulative server-sent
 events; `logprob_start_len`, `top_logprobs_num` and `return_text_in_logprobs` as SGLang, see
-`score_positions`), the OpenAI routes `/v1/models`, `/v1/completions` and `/v1/chat/completions`
-(`rstar_jax.engine.openai_routes`), `/metrics` (Prometheus text with SGLang's names, with
-`enable_metrics`), `/abort_request` (rid prefix), `/get_server_info`,
-`/v1/loads` (`?include=queues` adds the queue section), `/get_load`, `/health`, `/health_generate`,
-`/flush_cache`, `/update_weights_from_disk`, the distributed weight update (`/init_weights_update_group`,
-`/update_weights_from_distributed`, `/destroy_weights_update_group`), `/get_weights_by_name`,
-`/pause_generation` (modes abort, retract, in_place), `/continue_generation`, `/get_weight_version`,
-`/get_model_info` and no-op
-`/release_memory_occupation` / `/resume_memory_occupation`. The engine's prefix cache keeps a
-finished request's KV for the request that continues it (`meta_info.cached_tokens`, `cache_hit_rate`
-in `/v1/loads`); `/flush_cache` drops it, and refuses while requests are in flight, as SGLang does. The
-weight_version string starts as "0" and becomes the `weight_version` a weight update names, or
-the engine's version counter when it names none. Loading weights from disk is the caller's
-(`load_weights(path) -> model`), and so are applying tensors received by name
-(`load_tensors(model, {name: array}) -> model`) and reading one back (`read_tensor(model, name)`), so
-this module knows no checkpoint format. The distributed update joins the trainer's torch.distributed
-group as one rank whatever the tensor-parallel size (one process holds every device), receives each
-broadcast tensor (on the host with gloo; on the GPU with nccl, handed to JAX through DLPack) and
-applies the call's tensors in one swap (`/get_server_info` reports the rank count as
-`weight_update_ranks`; SGLang's servers join with one rank per GPU).
+`score_positions`), `/abort_request` (rid prefix), `/health`, `/health_generate` and `/flush_cache`
+here; the OpenAI routes `/v1/models`, `/v1/completions` and `/v1/chat/completions`
+(`rstar_jax.engine.openai_routes`); `/v1/loads`, `/get_load`, `/get_server_info`, `/get_model_info`
+and `/metrics` (`rstar_jax.engine.status_routes`); and the weight updates from disk and from the
+trainer's process group, `/get_weights_by_name`, `/pause_generation`, `/continue_generation`,
+`/get_weight_version` and the memory-occupation no-ops (`rstar_jax.engine.weight_routes`, which also
+says how weight_version moves). The engine's prefix cache keeps a finished request's KV for the
+request that continues it (`meta_info.cached_tokens`, `cache_hit_rate` in `/v1/loads`);
+`/flush_cache` drops it, and refuses while requests are in flight, as SGLang does.
 
 Serving follows SGLang's life cycle: the port is bound before warm-up (compilation), and `/health`
 and `/health_generate` answer 503 until it is done (`ready`). A client that disconnects from a
@@ -36,7 +25,6 @@ SGLang's does.
 from __future__ import annotations
 
 import asyncio
-import collections
 import dataclasses
 import json
 import logging
@@ -47,12 +35,11 @@ from collections.abc import Callable
 import numpy as np
 from aiohttp import web
 
-from rstar_jax import __version__ as package_version
-from rstar_jax.engine import weight_transfer
-from rstar_jax.engine.jax_engine import MAX_STOP_IDS, PAUSE_MODES, JaxEngine
+from rstar_jax.engine.http_common import BadRequest, error_response, json_or_empty
+from rstar_jax.engine.jax_engine import MAX_STOP_IDS, JaxEngine
 from rstar_jax.engine.openai_routes import OpenAIRoutes
-from rstar_jax.engine.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from rstar_jax.engine.prometheus import Exposition, Histogram
+from rstar_jax.engine.status_routes import StatusRoutes
+from rstar_jax.engine.weight_routes import WeightRoutes
 from rstar_jax.rollout.protocol import FINISH_STOP, SamplingParams, new_rid
 from rstar_jax.engine.textgen import JinjaChatTemplate, TextDecoder, TextRequest, output_text, token_texts
 
@@ -86,19 +73,6 @@ GENERATE_IGNORED = {"session_id", "priority", "extra_key", "cache_salt", "log_me
 # Routes whose handler is cancelled when the client disconnects (its requests are aborted); every
 # other route runs to the end regardless, so that e.g. a weight update is never left half done.
 CANCEL_ON_DISCONNECT = {"/generate", "/v1/completions", "/v1/chat/completions", "/health_generate"}
-# SGLang's bucket bounds (seconds) for its latency histograms.
-TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400)
-E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 800)
-THROUGHPUT_WINDOW_S = 10.0  # gen_throughput: tokens per second over at least this long
-
-
-class BadRequest(ValueError):
-    """A request field is invalid; answered with HTTP 400 naming the field."""
-
-
-def _error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message}, "object": "error", "message": message,
-                              "type": "BadRequest" if status == 400 else "Error", "code": status}, status=status)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,9 +134,13 @@ def finish_reason_json(result) -> dict:
     return {"type": "abort", "message": "Abort request.", "status_code": None, "err_type": None}
 
 
+
 class EngineServer:
-    """The aiohttp application over one JaxEngine. load_weights(path) -> model: what
-    `/update_weights_from_disk` loads (None: the route answers that this server cannot load weights).
+    """The aiohttp application over one JaxEngine: the generation, abort, health and cache routes,
+    composing the OpenAI (`OpenAIRoutes`), status (`StatusRoutes`: loads, info, metrics) and weight
+    (`WeightRoutes`) routes. load_weights(path) -> model: what `/update_weights_from_disk` loads
+    (None: the route answers that this server cannot load weights); load_tensors and read_tensor:
+    the distributed update's and `/get_weights_by_name`'s (see `rstar_jax.engine.weight_routes`).
 
     tokenizer (an `rstar_jax.agent.tokenizer` tokenizer) enables text in and out, stop strings and the
     OpenAI routes (None: SGLang's --skip-tokenizer-init); chat_template renders chat messages.
@@ -192,47 +170,28 @@ class EngineServer:
         self.ready = ready
         # The ids generation stops on: the model's eos, and with a tokenizer its eos too (as SGLang).
         self.stop_token_ids = tuple(dict.fromkeys([*eos_token_ids, *([tokenizer.eos_id] if tokenizer else [])]))
-        self.prompt_tokens_total = self.generation_tokens_total = self.requests_total = 0
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.e2e_latency = Histogram(E2E_BUCKETS)
-        engine.on_first_token = self.ttft.observe
-        self._throughput_samples = collections.deque([(time.monotonic(), engine.generated_tokens)])
-        self.load_weights = load_weights
-        self.load_tensors = load_tensors
-        self.read_tensor = read_tensor
-        self._groups: dict[str, weight_transfer.WeightUpdateGroup] = {}  # weight-update groups by name
-        self._weight_session = False  # SGLang 0.5.23's begin/end_weight_update bracket is open
         self.tp_size = tp_size
-        self.weight_version = str(engine.version)
-        self._update_lock = asyncio.Lock()
+        self.status = StatusRoutes(self)
+        self.weights = WeightRoutes(engine, load_weights=load_weights, load_tensors=load_tensors,
+                                    read_tensor=read_tensor)
         self.started = time.time()
+
+    @property
+    def weight_version(self) -> str:
+        """The version of the weights served, as the last weight update set it."""
+        return self.weights.weight_version
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 30)
         routes = [
             ("POST", "/generate", self.generate), ("PUT", "/generate", self.generate),
             ("POST", "/abort_request", self.abort_request),
-            ("GET", "/get_server_info", self.server_info), ("GET", "/server_info", self.server_info),
-            ("GET", "/get_model_info", self.model_info), ("GET", "/model_info", self.model_info),
-            ("GET", "/v1/loads", self.loads), ("GET", "/get_load", self.get_load),
             ("GET", "/health", self.health), ("GET", "/health_generate", self.health_generate),
             ("GET", "/flush_cache", self.flush_cache), ("POST", "/flush_cache", self.flush_cache),
-            ("POST", "/update_weights_from_disk", self.update_weights_from_disk),
-            ("POST", "/init_weights_update_group", self.init_weights_update_group),
-            ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed),
-            ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group),
-            ("POST", "/begin_weight_update", self.begin_weight_update),
-            ("POST", "/end_weight_update", self.end_weight_update),
-            ("GET", "/get_weights_by_name", self.get_weights_by_name),
-            ("POST", "/get_weights_by_name", self.get_weights_by_name),
-            ("POST", "/pause_generation", self.pause), ("POST", "/continue_generation", self.resume),
-            ("GET", "/get_weight_version", self.get_weight_version),
-            ("GET", "/release_memory_occupation", self.memory_noop), ("POST", "/release_memory_occupation", self.memory_noop),
-            ("GET", "/resume_memory_occupation", self.memory_noop), ("POST", "/resume_memory_occupation", self.memory_noop),
         ]
+        routes += self.status.routes(metrics=self.enable_metrics)
+        routes += self.weights.routes()
         routes += OpenAIRoutes(self).routes()
-        if self.enable_metrics:
-            routes.append(("GET", "/metrics", self.metrics))
         for method, path, handler in routes:
             if path not in CANCEL_ON_DISCONNECT:  # a control call finishes even if its client leaves
                 handler = _shielded(handler)
@@ -244,13 +203,13 @@ class EngineServer:
         try:
             body = await request.json()
         except ValueError:
-            return _error("request body must be JSON")
+            return error_response("request body must be JSON")
         try:
             if not isinstance(body, dict):
                 raise BadRequest("request body must be a JSON object")
             requests, batched, options = self._parse_generate(body)
         except BadRequest as e:
-            return _error(str(e))
+            return error_response(str(e))
         if options.stream:
             return await self._stream_generate(request, *requests[0], options)
         outputs = await asyncio.gather(*(self._one(*r, options) for r in requests))
@@ -461,118 +420,15 @@ class EngineServer:
 
     def record_request(self, prompt_tokens: int, result, start: float) -> None:
         """Counts one finished request for /metrics."""
-        self.requests_total += 1
-        self.prompt_tokens_total += prompt_tokens
-        self.generation_tokens_total += len(result.token_ids)
-        self.e2e_latency.observe(time.perf_counter() - start)
+        self.status.record_request(prompt_tokens, result, start)
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await _json_or_empty(request)
+        body = await json_or_empty(request)
         if body.get("abort_all"):
             self.engine.abort_all()
         elif body.get("rid"):
             await self.engine.abort(str(body["rid"]))
         return web.Response(status=200)
-
-    # -- load / info --------------------------------------------------------------------------
-    async def _load_row(self) -> dict:
-        cap = await self.engine.capacity()
-        return {
-            "dp_rank": 0,
-            "num_running_reqs": cap.running_requests,
-            "num_waiting_reqs": cap.queued_requests,
-            "num_waiting_uncached_tokens": 0,
-            "num_used_tokens": cap.used_tokens,
-            "num_total_tokens": cap.total_tokens,
-            "max_total_num_tokens": cap.total_tokens,
-            "max_running_requests": self.engine.slots,
-            "token_usage": cap.used_tokens / cap.total_tokens,
-            "gen_throughput": self._throughput(),
-            "cache_hit_rate": self.engine.cached_tokens / max(self.engine.prompt_tokens, 1),
-            "utilization": cap.running_requests / self.engine.slots,
-            "queues": {"waiting": cap.queued_requests - cap.retracted_requests, "grammar": 0,
-                       "paused": cap.running_requests if self.engine.paused else 0,
-                       "retracted": cap.retracted_requests},
-        }
-
-    def _throughput(self) -> float:
-        """Tokens per second over the last THROUGHPUT_WINDOW_S or more (since the previous query
-        when queries are further apart), as SGLang's gen_throughput covers its last log interval."""
-        now, total = time.monotonic(), self.engine.generated_tokens
-        samples = self._throughput_samples
-        if now - samples[-1][0] >= 0.5:  # a bounded history however often this is asked
-            samples.append((now, total))
-        while len(samples) > 2 and now - samples[1][0] >= THROUGHPUT_WINDOW_S:
-            samples.popleft()
-        then, before = samples[0]
-        return (total - before) / (now - then) if now > then else 0.0
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        """Prometheus text with SGLang's metric names, labelled with the served model name."""
-        row = await self._load_row()
-        e = Exposition({"model_name": self.served_model_name})
-        e.gauge("sglang:num_running_reqs", row["num_running_reqs"], "The number of running requests.")
-        e.gauge("sglang:num_queue_reqs", row["num_waiting_reqs"], "The number of requests in the waiting queue.")
-        e.gauge("sglang:num_used_tokens", row["num_used_tokens"], "The number of used tokens.")
-        e.gauge("sglang:max_total_num_tokens", row["max_total_num_tokens"], "The KV cache pool size in tokens.")
-        e.gauge("sglang:token_usage", row["token_usage"], "The token usage.")
-        e.gauge("sglang:cache_hit_rate", row["cache_hit_rate"], "The prefix cache hit rate.")
-        e.gauge("sglang:gen_throughput", row["gen_throughput"], "The generation throughput (token/s).")
-        e.counter("sglang:prompt_tokens_total", self.prompt_tokens_total, "Number of prefill tokens processed.")
-        e.counter("sglang:generation_tokens_total", self.generation_tokens_total,
-                  "Number of generation tokens processed.")
-        e.counter("sglang:num_requests_total", self.requests_total, "Number of requests processed.")
-        e.histogram("sglang:time_to_first_token_seconds", self.ttft, "Histogram of time to first token in seconds.")
-        e.histogram("sglang:e2e_request_latency_seconds", self.e2e_latency,
-                    "Histogram of End-to-end request latency in seconds")
-        return web.Response(body=e.text().encode(), headers={"Content-Type": METRICS_CONTENT_TYPE})
-
-    async def loads(self, request: web.Request) -> web.Response:
-        row = await self._load_row()
-        include = set(request.query.get("include", "core").split(","))
-        if not include & {"queues", "all"}:
-            row.pop("queues")
-        return web.json_response({"loads": [row]})
-
-    async def get_load(self, request: web.Request) -> web.Response:
-        row = await self._load_row()
-        return web.json_response([{"dp_rank": 0, "num_reqs": row["num_running_reqs"],
-                                   "num_waiting_reqs": row["num_waiting_reqs"], "num_tokens": row["num_used_tokens"]}])
-
-    async def server_info(self, request: web.Request) -> web.Response:
-        total = self.engine.max_total_tokens
-        row = await self._load_row()
-        return web.json_response({
-            **self.server_args,
-            "model_path": self.model_path,
-            "tokenizer_path": self.tokenizer_path,
-            "served_model_name": self.served_model_name,
-            "enable_deterministic_inference": self.deterministic,
-            "enable_metrics": self.enable_metrics,
-            "context_length": self.engine.max_length,
-            "max_running_requests": self.engine.slots,
-            "max_total_num_tokens": total,
-            "max_req_input_len": self.engine.max_length,  # SGLang's meaning: inputs shorter than this
-            "vocab_size": self.engine.vocab_size,  # rstar_jax: SGLang's clients cannot learn it otherwise
-            "page_size": self.engine.page_size,
-            "tp_size": self.tp_size,
-            "dp_size": 1,
-            "weight_update_ranks": 1,  # rstar_jax: ranks it joins a weight-update group with (SGLang: tp_size)
-            "skip_tokenizer_init": self.tokenizer is None,
-            "weight_version": self.weight_version,
-            "internal_states": [{
-                "last_gen_throughput": row["gen_throughput"],
-                "memory_usage": {"token_capacity": total},
-                "effective_max_running_requests_per_dp": self.engine.slots,
-                "load": row["num_running_reqs"] + row["num_waiting_reqs"],
-            }],
-            "version": f"rstar_jax-{package_version}",
-        })
-
-    async def model_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": self.model_path, "tokenizer_path": self.tokenizer_path,
-                                  "is_generation": True, "preferred_sampling_params": None,
-                                  "weight_version": self.weight_version})
 
     async def health(self, request: web.Request) -> web.Response:
         """503 until warm-up is done (SGLang's ServerStatus.Starting), then 200."""
@@ -595,172 +451,6 @@ class EngineServer:
         if not self.engine.flush_cache():
             return web.Response(status=400, text="Cache not flushed: there are running or waiting requests.")
         return web.Response(status=200, text="Cache flushed.")
-
-    # -- weights / pause ----------------------------------------------------------------------
-    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await _json_or_empty(request)
-        path = body.get("model_path")
-        if not path or self.load_weights is None:
-            message = "model_path is required" if self.load_weights else "this server cannot load weights from disk"
-            return web.json_response({"success": False, "message": message, "num_paused_requests": 0}, status=400)
-        async with self._update_lock:
-            try:
-                model = await asyncio.to_thread(self.load_weights, path)
-                version = await asyncio.to_thread(
-                    self.engine.update_weights, model,
-                    abort_in_flight=bool(body.get("abort_all_requests", False)))
-            except (OSError, ValueError) as e:
-                return web.json_response({"success": False, "message": f"Failed to update weights: {e}",
-                                          "num_paused_requests": 0}, status=400)
-            given = body.get("weight_version")
-            self.weight_version = str(given) if given is not None else str(version)
-        return web.json_response({"success": True, "message": f"Succeeded to update model weights from {path}.",
-                                  "num_paused_requests": 0})
-
-    # -- distributed weight update (SGLang's /init_weights_update_group family) ------------------
-    async def init_weights_update_group(self, request: web.Request) -> web.Response:
-        """Joins the trainer's group as rank `rank_offset`; answers once every rank has joined."""
-        body = await _json_or_empty(request)
-        try:
-            address, port = str(body["master_address"]), _int(body, "master_port")
-            rank, world_size = _int(body, "rank_offset"), _int(body, "world_size")
-        except (KeyError, BadRequest) as e:
-            return _weights_error(f"init_weights_update_group: {e if isinstance(e, BadRequest) else f'missing {e}'}")
-        group_name = str(body.get("group_name", weight_transfer.DEFAULT_GROUP_NAME))
-        backend = str(body.get("backend", "nccl"))
-        if self.load_tensors is None:
-            return _weights_error("this server cannot load weights from tensors")
-        if group_name in self._groups:
-            return _weights_error(f"Failed to initialize custom process group: group {group_name!r} already exists "
-                                  f"(destroy it first).")
-        try:
-            group = await asyncio.to_thread(weight_transfer.WeightUpdateGroup.connect, address, port, rank, world_size,
-                                            group_name=group_name, backend=backend)
-        except Exception as e:  # noqa: BLE001  (torch missing, bad backend, rendezvous timeout: all answered)
-            return _weights_error(f"Failed to initialize custom process group: {e}.")
-        self._groups[group_name] = group
-        log.info("joined weight-update group %r as rank %d of %d (%s, %s:%d)", group_name, rank, world_size, backend,
-                 address, port)
-        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
-
-    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        """Receives the listed tensors (HF names) from rank 0's broadcasts, in order, then applies
-        them in one swap: running requests finish on the old weights first unless
-        `abort_all_requests`; the prefix cache is dropped (its KV came from the old weights)."""
-        body = await _json_or_empty(request)
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        group_name = str(body.get("group_name", weight_transfer.DEFAULT_GROUP_NAME))
-        group = self._groups.get(group_name)
-        problem = None
-        if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)
-                and len(names) == len(dtypes) == len(shapes)):
-            problem = "names, dtypes and shapes must be lists of equal length"
-        elif bad := [d for d in dtypes if d not in weight_transfer.DTYPES]:
-            problem = f"dtypes: {bad[0]!r} is not one of {weight_transfer.DTYPES}"
-        elif not all(isinstance(s, list) and all(isinstance(n, int) and n >= 0 for n in s) for s in shapes):
-            problem = "shapes must be lists of non-negative ints"
-        elif group is None:
-            problem = f"group {group_name!r} does not exist: call /init_weights_update_group first"
-        elif body.get("load_format") is not None:
-            problem = f"load_format {body['load_format']!r} is not supported (only the default)"
-        if problem is not None:
-            return _weights_error(f"Failed to update parameter online: {problem}.")
-        async with self._update_lock:
-            try:
-                # Receive even tensors that will be refused: rank 0 is sending them regardless.
-                device = "cuda" if group.backend == "nccl" else "cpu"
-                tensors = await asyncio.to_thread(group.receive, dtypes, shapes, device)
-                if len(set(names)) != len(names):
-                    raise ValueError("names lists a tensor twice")
-                arrays = dict(zip(names, map(weight_transfer.to_array, tensors)))
-                model = await asyncio.to_thread(self.load_tensors, self.engine.model, arrays)
-                await asyncio.to_thread(self.engine.update_weights, model,
-                                        abort_in_flight=bool(body.get("abort_all_requests", False)))
-            except (RuntimeError, ValueError) as e:  # a broken group or a tensor this model has not
-                return _weights_error(f"Failed to update parameter online: {e}.")
-            if body.get("weight_version") is not None:
-                self.weight_version = str(body["weight_version"])
-        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
-
-    async def begin_weight_update(self, request: web.Request) -> web.Response:
-        """SGLang 0.5.23's session around distributed updates, for clients that open one: this server
-        swaps whole updates atomically, so it only keeps SGLang's rule that sessions do not nest."""
-        if self._weight_session:
-            return _weights_error("a weight-update session is already open; call end_weight_update() first")
-        self._weight_session = True
-        return web.json_response({"success": True, "message": "Success"})
-
-    async def end_weight_update(self, request: web.Request) -> web.Response:
-        if not self._weight_session:
-            return _weights_error("no weight-update session is open; call begin_weight_update() first")
-        self._weight_session = False
-        return web.json_response({"success": True, "message": "Success"})
-
-    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await _json_or_empty(request)
-        group = self._groups.pop(str(body.get("group_name", weight_transfer.DEFAULT_GROUP_NAME)), None)
-        if group is None:
-            return _weights_error("The group to be destroyed does not exist.")
-        group.close()
-        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
-
-    async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        """SGLang's debug read: a parameter by its HF name, as float32 values (the first
-        `truncate_size` rows, default 100)."""
-        body = await _json_or_empty(request)
-        try:
-            name, truncate = str(body["name"]), _int({"truncate_size": 100, **body}, "truncate_size")
-        except (KeyError, BadRequest) as e:
-            return _error(f"get_weights_by_name: {e if isinstance(e, BadRequest) else f'missing {e}'}")
-        if self.read_tensor is None:
-            return _error("this server cannot read weights by name")
-        try:
-            value = await asyncio.to_thread(self.read_tensor, self.engine.model, name)
-        except ValueError as e:
-            return _error(f"Get parameter by name failed: {e}")
-        return web.json_response(np.asarray(value[:truncate], np.float32).tolist())
-
-    async def pause(self, request: web.Request) -> web.Response:
-        body = await _json_or_empty(request)
-        mode = body.get("mode", "abort")
-        if mode not in PAUSE_MODES:
-            return _error(f"pause_generation: mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
-        self.engine.pause(mode)
-        return web.json_response({"message": "Generation paused.", "status": "ok"})
-
-    async def resume(self, request: web.Request) -> web.Response:
-        self.engine.resume()
-        return web.json_response({"message": "Generation continued.", "status": "ok"})
-
-    async def get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.weight_version})
-
-    async def memory_noop(self, request: web.Request) -> web.Response:
-        return web.json_response(None)
-
-
-def _weights_error(message: str) -> web.Response:
-    return web.json_response({"success": False, "message": message}, status=400)
-
-
-def _int(body: dict, field: str) -> int:
-    value = body[field]
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise BadRequest(f"{field} must be an integer, got {value!r}")
-    return value
-
-
-async def _json_or_empty(request: web.Request) -> dict:
-    text = await request.text()
-    if not text:
-        return {}
-    try:
-        body = json.loads(text)
-    except ValueError as e:
-        raise web.HTTPBadRequest(text=f"request body must be JSON: {e}") from e
-    if not isinstance(body, dict):
-        raise web.HTTPBadRequest(text="request body must be a JSON object")
-    return body
 
 
 def _shielded(handler):
