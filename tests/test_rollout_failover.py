@@ -27,6 +27,7 @@ from rstar_jax.rollout.protocol import (
     RequestRejected,
     SamplingParams,
 )
+from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.rollout.records import trajectory_record
 from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler
 from rstar_jax.rollout.sglang import SGLangGenerator, SGLangRejected, SGLangUnavailable
@@ -37,7 +38,7 @@ from tests.test_rollout_loop import FakeExecutor, call, exact_scorer
 TOK = ByteTokenizer()
 SCRIPT = [f"Let me compute. {call('print(6*7)')}{IM_END}", f"Two more. {call('print(42)')}{IM_END}",
           f"It is 42.</reason><answer>\\boxed{{42}}</answer>{IM_END}"]
-CONFIG = LoopConfig(max_turns=5, response_budget=4096, observation_max_chars=64)
+CONFIG = LoopConfig(max_turns=5, response_budget=4096, tool_env=ToolEnv.preset_defaults("rich", observation_max_chars=64))
 
 
 class ScriptModel:
@@ -280,7 +281,8 @@ def test_two_real_servers_one_killed_mid_step(tmp_path):
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda s: s.__enter__(), servers))
     try:
-        config = LoopConfig(max_turns=2, response_budget=160, temperature=1.0, observation_max_chars=64, seed=0)
+        config = LoopConfig(max_turns=2, response_budget=160, temperature=1.0, seed=0,
+                            tool_env=ToolEnv.preset_defaults("rich", observation_max_chars=64))
 
         async def step():
             generators = [SGLangGenerator(s.url) for s in servers]

@@ -17,8 +17,11 @@ from rstar_jax.agent.tool_calls import format_observation
 from rstar_jax.rollout.loop import LoopConfig, run_trajectory
 from rstar_jax.rollout.orchestrator import Orchestrator, trajectory_runner
 from rstar_jax.rollout.protocol import Capacity, GenerateResult
+from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.agent.stats import release_counts
 from rstar_jax.rollout.trajectory import STOP_ABORTED, STOP_BUDGET, STOP_MAX_TURNS, STOP_NO_TOOL_CALL
+
+SHORT_OBSERVATIONS = ToolEnv.preset_defaults("rich", observation_max_chars=64)
 
 TOK = ByteTokenizer()
 TEMPLATE = ChatTemplate()
@@ -99,7 +102,7 @@ async def exact_scorer(text, gold, truncated=False):
 def _run(turns, budget=4096, max_turns=5, question="Q1"):
     gen = ScriptedGenerator({question: turns})
     ex = FakeExecutor()
-    cfg = LoopConfig(max_turns=max_turns, response_budget=budget, observation_max_chars=64)
+    cfg = LoopConfig(max_turns=max_turns, response_budget=budget, tool_env=SHORT_OBSERVATIONS)
     traj = asyncio.run(run_trajectory(gen, TOK, ex, question, "42", config=cfg, scorer=exact_scorer))
     return traj, gen, ex
 
@@ -280,7 +283,7 @@ def test_cancelling_a_trajectory_aborts_its_generation():
     assert len(gen.aborted) == 1 and len(gen.aborted[0]) == 16
 
 
-@pytest.mark.parametrize("field, value", [("max_turns", 0), ("response_budget", 0), ("observation_style", "x"),
+@pytest.mark.parametrize("field, value", [("max_turns", 0), ("response_budget", 0), ("top_k", 0),
                                           ("temperature", -1.0), ("max_calls_per_turn", 0)])
 def test_loop_config_names_the_bad_field(field, value):
     with pytest.raises(ValueError, match=f"LoopConfig.{field}"):
@@ -290,7 +293,7 @@ def test_loop_config_names_the_bad_field(field, value):
 def test_two_calls_in_one_turn_and_an_aborted_generation():
     answer = "</reason><answer>\\boxed{42}</answer>" + IM_END
     gen = ScriptedGenerator({"Q": [call("1/0") + call("print(42)") + IM_END, answer]})
-    cfg = LoopConfig(max_calls_per_turn=2, observation_max_chars=64)
+    cfg = LoopConfig(max_calls_per_turn=2, tool_env=SHORT_OBSERVATIONS)
     traj = asyncio.run(run_trajectory(gen, TOK, FakeExecutor(), "Q", "42", config=cfg, scorer=exact_scorer))
     assert traj.tool_statuses == ["runtime_error", "ok"] and traj.n_tool_errors == 1 and traj.reward == 1.0
     observations = [format_observation(FakeExecutor.result_for("1/0"), max_chars=64),

@@ -19,6 +19,7 @@ from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.engine.jax_engine import JaxEngine
 from rstar_jax.rollout.loop import LoopConfig, run_trajectory
 from rstar_jax.rollout.protocol import GenerateResult
+from rstar_jax.rollout.tool_env import ToolEnv
 from tests.test_rollout_loop import FakeExecutor, call, exact_scorer
 
 TOK = ByteTokenizer()
@@ -57,7 +58,7 @@ def test_engine_log_probs_align_with_the_recorded_sequence():
     first = f"Let me run it. {call('print(2 + 2)')}{IM_END}"
     try:
         generator = ScriptedFirstTurn(engine, first)
-        cfg = LoopConfig(max_turns=4, response_budget=len(TOK.encode(first)) + 200, observation_max_chars=64)
+        cfg = LoopConfig(max_turns=4, response_budget=len(TOK.encode(first)) + 200, tool_env=ToolEnv.preset_defaults("rich", observation_max_chars=64))
 
         async def main():
             return await asyncio.gather(*[

@@ -16,6 +16,7 @@ client_module = pytest.importorskip("sandbox_service.client")
 from rstar_jax.agent.tokenizer import IM_END, ByteTokenizer  # noqa: E402
 from rstar_jax.rollout.loop import LoopConfig, run_trajectory  # noqa: E402
 from rstar_jax.rollout.orchestrator import Orchestrator  # noqa: E402
+from rstar_jax.rollout.tool_env import ToolEnv  # noqa: E402
 from rstar_jax.rollout.trajectory import STOP_NO_TOOL_CALL  # noqa: E402
 from tests.test_rollout_loop import ScriptedGenerator, exact_scorer  # noqa: E402
 
@@ -43,7 +44,8 @@ def script(i: int) -> list[str]:
 def test_64_concurrent_trajectories_on_a_real_sandbox():
     questions = {f"Square the number {i}, please.": script(i) for i in range(16)}
     gen = ScriptedGenerator(questions)
-    cfg = LoopConfig(max_turns=5, response_budget=4096, tool_timeout_s=1.0, observation_max_chars=512)
+    cfg = LoopConfig(max_turns=5, response_budget=4096,
+                     tool_env=ToolEnv.preset_defaults("rich", timeout_s=1.0, observation_max_chars=512))
 
     async def main(target):
         async with client_module.SandboxClient(target) as client:

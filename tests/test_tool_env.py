@@ -106,9 +106,9 @@ def test_the_loop_sends_the_preset_to_the_sandbox_and_skips_string_arguments():
             return Result("ok", stdout="42\n")
 
     config = LoopConfig.from_config(load_config_file(REPO_CONFIGS / "stage1.py"))
-    assert (config.tool_call_parsing, config.observation_max_chars) == ("release", 256)
+    assert (config.tool_env.tool_call_parsing, config.tool_env.observation_max_chars) == ("release", 256)
     evaluation = LoopConfig.from_config(load_config_file(REPO_CONFIGS / "eval.py"), "eval")
-    assert (evaluation.sandbox_options(), evaluation.tool_call_parsing) == (config.sandbox_options(), "release")
+    assert evaluation.tool_env == config.tool_env and evaluation.tool_env.tool_call_parsing == "release"
     turns = [f"Try. {_call(json.dumps({'code': 'print(6 * 7)'}))}{IM_END}",
              f"Again. {_call({'code': 'print(6 * 7)'})}{IM_END}",
              f"</reason><answer>\\boxed{{42}}</answer>{IM_END}"]

@@ -492,13 +492,12 @@ async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine
             await generator.close()
 
 
-def tool_client(config, targets: Sequence[str]) -> ToolExecutor:
+def tool_client(config, targets: Sequence[str]) -> ToolService:
     """The tool executor for `targets` (`sandbox.api`: a gRPC SandboxClient or a SandboxFusion
-    executor), with the tool environment's per-call defaults (`ToolEnv.from_config`)."""
-    options = ToolEnv.from_config(config).sandbox_options()
+    executor). The tool environment's options travel with each call (`LoopConfig.tool_env`)."""
     if config.sandbox.api == "sandbox_fusion":  # validate() has refused what it cannot honour
-        return SandboxFusionExecutor(list(targets), **options)
-    return SandboxClient(list(targets), **options)
+        return SandboxFusionExecutor(list(targets))
+    return SandboxClient(list(targets))
 
 
 def tool_modules(config) -> tuple[str, ...]:

@@ -36,13 +36,7 @@ import numpy as np
 from rstar_jax.agent.stats import PARSE_ERROR, count_answer_tags, is_tool_error
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
-from rstar_jax.agent.tool_calls import (
-    CALL_PARSING,
-    OBSERVATION_STYLES,
-    ToolCallError,
-    format_observation,
-    parse_tool_calls,
-)
+from rstar_jax.agent.tool_calls import ToolCallError, format_observation, parse_tool_calls
 from rstar_jax.errors import from_paths
 from rstar_jax.rollout.protocol import (
     FINISH_ABORT,
@@ -55,7 +49,7 @@ from rstar_jax.rollout.protocol import (
     Scheduler,
 )
 from rstar_jax.rollout.scheduler import DirectSession
-from rstar_jax.rollout.tool_env import SANDBOX_OPTION_FIELDS, ToolEnv
+from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.rollout.trajectory import (
     STOP_ABORTED,
     STOP_BUDGET,
@@ -87,17 +81,9 @@ class LoopConfig:
     top_k: int = -1
     tool_name: str = "python_code_with_standard_io"
     max_calls_per_turn: int = 1
-    observation_style: str = "release"
-    observation_max_chars: int = 256
-    tool_timeout_s: float | None = None  # None: the sandbox's default
-    # The rest of the tool environment (rstar_jax.rollout.tool_env), sent with every call (None: the
-    # sandbox client's defaults): memory and its kind, per-stream character cap, error format, no pre-imports.
-    tool_memory_mb: int | None = None
-    tool_memory_address_space: bool | None = None
-    tool_stream_cap_chars: int | None = None
-    tool_error_format: str | None = None
-    tool_cold_imports: bool | None = None
-    tool_call_parsing: str = "rich"  # "release" | "rich" (rstar_jax.agent.tool_calls)
+    # The one tool environment the calls meet (rstar_jax.rollout.tool_env): the sandbox's per-call
+    # options, sent with every call, and how results and malformed calls read to the policy.
+    tool_env: ToolEnv = dataclasses.field(default_factory=lambda: ToolEnv.preset_defaults("rich"))
     use_tools: bool = True  # False: tool calls are never executed (the first turn is the last)
     # Seeded sampling: each trajectory draws from a seed derived from (seed, group_id, sample_index),
     # so its tokens do not depend on batching or timing (reproducible runs, exact resume).
@@ -108,9 +94,6 @@ class LoopConfig:
     max_abort_resumes: int = 8
 
     def __post_init__(self):
-        if self.observation_style not in OBSERVATION_STYLES:
-            raise ValueError(f"LoopConfig.observation_style must be one of {OBSERVATION_STYLES}, "
-                             f"got {self.observation_style!r}")
         if self.max_calls_per_turn < 1:
             raise ValueError(f"LoopConfig.max_calls_per_turn must be >= 1, got {self.max_calls_per_turn}")
         if self.max_turns < 1:
@@ -123,40 +106,22 @@ class LoopConfig:
             raise ValueError(f"LoopConfig.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k != -1 and self.top_k < 1:
             raise ValueError(f"LoopConfig.top_k must be -1 (off) or >= 1, got {self.top_k}")
-        if self.observation_max_chars < 1:
-            raise ValueError(f"LoopConfig.observation_max_chars must be >= 1, got {self.observation_max_chars}")
-        if self.tool_timeout_s is not None and not self.tool_timeout_s > 0:
-            raise ValueError(f"LoopConfig.tool_timeout_s must be > 0 (or None), got {self.tool_timeout_s}")
         if self.max_abort_resumes < 0:
             raise ValueError(f"LoopConfig.max_abort_resumes must be >= 0, got {self.max_abort_resumes}")
-        if self.tool_call_parsing not in CALL_PARSING:
-            raise ValueError(f"LoopConfig.tool_call_parsing must be one of {CALL_PARSING}, "
-                             f"got {self.tool_call_parsing!r}")
 
     @classmethod
     def from_config(cls, config, sampling: str = "rollout") -> "LoopConfig":
         """Turns, budget and sampling from `config.<sampling>` ("rollout" for RL, "eval" for the
-        evaluation protocol), the tool protocol from `config.rollout`, the tool environment (its
-        observations and the sandbox's per-call options) from `config.sandbox.preset` and the fields
-        that override it (`ToolEnv.from_config`). A ConfigError names the config field of an invalid value."""
+        evaluation protocol), the tool protocol from `config.rollout`, the tool environment from
+        `config.sandbox.preset` and the fields that override it (`ToolEnv.from_config`). A ConfigError
+        names the config field of an invalid value."""
         paths = {name: f"{sampling}.{name}" for name in ("max_turns", "response_budget", "temperature", "top_p",
                                                           "top_k")}
         paths.update({"tool_name": "rollout.tool_name", "max_calls_per_turn": "rollout.max_tool_calls_per_turn",
-                      "observation_style": "rollout.observation_style",
-                      "observation_max_chars": "rollout.observation_max_chars",
-                      "tool_call_parsing": "rollout.tool_call_parsing", "use_tools": "rollout.tools", "seed": "seed",
+                      "tool_env": "sandbox.preset", "use_tools": "rollout.tools", "seed": "seed",
                       "max_abort_resumes": "rollout.max_abort_resumes"})
-        paths.update({f"tool_{name}": path for name, path in SANDBOX_OPTION_FIELDS.items()})
-        env = ToolEnv.from_config(config)
-        tool = {f"tool_{name}": value for name, value in env.sandbox_options().items()}
         return from_paths(cls, config, paths, seed=config.seed if config.rollout.seeded_sampling else None,
-                          observation_style=env.observation_style, observation_max_chars=env.observation_max_chars,
-                          tool_call_parsing=env.tool_call_parsing, **tool)
-
-    def sandbox_options(self) -> dict:
-        """The options each tool call sends to the sandbox (those set)."""
-        options = {name: getattr(self, f"tool_{name}") for name in SANDBOX_OPTION_FIELDS}
-        return {name: value for name, value in options.items() if value is not None}
+                          tool_env=ToolEnv.from_config(config))
 
 
 _rid_counter = itertools.count()
@@ -186,10 +151,10 @@ async def _generate(gen: Generator, input_ids: list[int], sampling: SamplingPara
 
 async def _run_call(call, executor: ToolExecutor, config: LoopConfig) -> tuple[str, str]:
     if isinstance(call, ToolCallError):
-        return PARSE_ERROR, format_observation(call, max_chars=config.observation_max_chars)
-    result = await executor.execute(call.code, call.stdin, **config.sandbox_options())
-    return result.status, format_observation(result, style=config.observation_style,
-                                              max_chars=config.observation_max_chars)
+        return PARSE_ERROR, format_observation(call, max_chars=config.tool_env.observation_max_chars)
+    env = config.tool_env
+    result = await executor.execute(call.code, call.stdin, **env.sandbox_options())
+    return result.status, format_observation(result, style=env.observation_style, max_chars=env.observation_max_chars)
 
 
 async def run_trajectory(
@@ -289,7 +254,7 @@ async def run_trajectory(
             # A turn that ends with EOS exactly at the budget is complete: an answer there counts, and
             # a tool call there is stopped below because its observation cannot be appended.
             calls = parse_tool_calls(turn_text, tool_names=(template.tool_name,),
-                                     max_calls=config.max_calls_per_turn, parsing=config.tool_call_parsing)
+                                     max_calls=config.max_calls_per_turn, parsing=config.tool_env.tool_call_parsing)
             if not calls:
                 traj.finish_reason = STOP_NO_TOOL_CALL
                 break

@@ -43,16 +43,6 @@ FIELDS = {
     "tool_call_parsing": "rollout.tool_call_parsing",
 }
 
-# The sandbox's per-call options (`sandbox_options`) -> the config field behind each.
-SANDBOX_OPTION_FIELDS = {
-    "timeout_s": "sandbox.timeout_s",
-    "memory_mb": "sandbox.memory_mb",
-    "memory_address_space": "sandbox.memory_address_space",
-    "stream_cap_chars": "sandbox.stream_cap_chars",
-    "error_format": "sandbox.error_format",
-    "cold_imports": "sandbox.preimports",  # its negation
-}
-
 PRESETS = {
     "release": {
         "timeout_s": 4.0,  # spec §3.2: MAX_EXECUTION_TIME=4 in the release's launch command
@@ -123,8 +113,9 @@ class ToolEnv:
                              f"got {self.tool_call_parsing!r}")
 
     @classmethod
-    def preset_defaults(cls, preset: str) -> "ToolEnv":
-        return cls(preset=preset, **PRESETS[preset])
+    def preset_defaults(cls, preset: str, **overrides) -> "ToolEnv":
+        """The preset's environment, with `overrides` (field=value) in place of its values."""
+        return cls(preset=preset, **{**PRESETS[preset], **overrides})
 
     @classmethod
     def from_config(cls, config) -> "ToolEnv":

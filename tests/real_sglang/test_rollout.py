@@ -56,7 +56,7 @@ def _collect(generators, setup, problems, samples, *, scheduler=None, during=Non
         sched = scheduler or KvScheduler(gens)
         scorer = make_scorer("local", timeout_s=10)
         try:
-            async with SandboxClient(target, **loop.sandbox_options()) as client:
+            async with SandboxClient(target, **loop.tool_env.sandbox_options()) as client:
                 async def one(question, gold, group, index):
                     return await run_trajectory(None, tokenizer, client, question, gold, config=loop, scorer=scorer,
                                                 template=template, scheduler=sched, group_id=group, sample_index=index)
