@@ -164,6 +164,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.dual_clip = config_dict.placeholder(float)  # None = off; verl's clip_ratio_c is 3.0
     c.rl.kl_coef = 0.0  # spec §5.3: no KL term (validation refuses > 0: there is no reference policy)
     c.rl.entropy_coef = 0.0  # spec §5.3: no entropy term
+    # The objective by name (rstar_jax.rl.registry): a new variant is a registered function and this value.
+    c.rl.policy_loss = "grpo"  # clip-higher PPO, token mean (spec §2.2.1)
+    c.rl.advantage_estimator = "grpo"  # group-normalised outcome rewards (spec §2.2.1)
     c.rl.logprob_chunk_size = 1024  # tokens per chunk of the vocab projection in token_logprobs
     # Tokens per micro-batch on each data-parallel shard (the release's ppo_max_token_len_per_gpu,
     # 20480 in spec §5.3): every device along the data/fsdp axes holds this many per micro-batch.

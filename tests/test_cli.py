@@ -47,7 +47,7 @@ def _errors(result) -> list[str]:
     (["--config.data.train_files=a b"], ["config.data.train_files: expected a tuple, got 'a b': quote each element "
                                          "and separate them with commas, e.g. \"('a.jsonl','b.jsonl')\""]),
     (["--config.rl={'group_size': 4}"], ["config.rl: is a section; set its fields one by one (e.g. "
-                                         "--config.rl.clip_high=...)"]),
+                                         "--config.rl.advantage_estimator=...)"]),
     (["--noconfig.train.steps"], ["config.train.steps: --noconfig.train.steps is for boolean fields; this one is "
                                   "int: use --config.train.steps=VALUE"]),
     (["--config.train.steps"], ["config.train.steps: no value given: use --config.train.steps=VALUE"]),
@@ -187,7 +187,7 @@ def test_config_command_reports_other_command_line_mistakes_in_one_line_each(tmp
     result = _run("rstar_jax.config", "--chek_files", "--config.optim.lr=fast", "--config.rl=1", cwd=tmp_path)
     assert _errors(result) == [
         "config.optim.lr: expected float, got 'fast'",
-        "config.rl: is a section; set its fields one by one (e.g. --config.rl.clip_high=...)",
+        "config.rl: is a section; set its fields one by one (e.g. --config.rl.advantage_estimator=...)",
         "Unknown command line flag 'chek_files'. Did you mean: check_files ?",
     ]
     missing = _run("rstar_jax.config", "--config=missing.py", "--config.rl.clip_low=2", cwd=tmp_path)

@@ -15,12 +15,14 @@ from flax import nnx
 
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import ByteTokenizer
-from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
-from rstar_jax.rl.loss import LossConfig
-from rstar_jax.rl.roc import RocConfig
 from rstar_jax.engine.jax_engine import JaxEngine
+from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
+from rstar_jax.rl.advantages import group_advantages
+from rstar_jax.rl.loss import LossConfig
+from rstar_jax.rl.registry import register_advantage_estimator
+from rstar_jax.rl.roc import RocConfig
 from rstar_jax.rollout.loop import LoopConfig
-from rstar_jax.train import batching, rl_batch
+from rstar_jax.train import batching
 from rstar_jax.train.rl_batch import BatchConfig, row_length_for
 from rstar_jax.train.step import OptimizerConfig, make_optimizer
 from rstar_jax.train.trainer import RLSettings, RLTrainer
@@ -42,7 +44,12 @@ async def ascii_reward(text, gold, truncated=False):
     return 1.0 if len(text) == 1 and text.isascii() else 0.0
 
 
-def _run() -> list[float]:
+@register_advantage_estimator("test_sign_flipped")
+def _sign_flipped_advantages(rewards, groups):
+    return -group_advantages(rewards, groups)
+
+
+def _run(loss: LossConfig = LossConfig()) -> list[float]:
     """Mean reward of each step of a short run from the same random policy."""
     model = Qwen3(Qwen3Config.tiny(), rngs=nnx.Rngs(0))
     engine = JaxEngine(model, slots=64, max_length=256, prefill_buckets=(256,), seed=0)
@@ -50,7 +57,7 @@ def _run() -> list[float]:
         rollouts_per_prompt=8,
         loop=LoopConfig(max_turns=1, response_budget=1, temperature=1.0, seed=0),
         roc=RocConfig(group_size=4),
-        loss=LossConfig(),
+        loss=loss,
         batch=BatchConfig(rows=16, row_length=row_length_for(200, 1), num_micro_batches=2,
                           use_sampler_logprobs=False),
         chunk_size=128,
@@ -76,10 +83,7 @@ def test_rl_raises_the_reward_and_the_classic_breakages_do_not(monkeypatch):
     healthy = _run()
     assert _gain(healthy) > 0.3, healthy  # about 0.4 -> 0.9 in six steps
 
-    real_advantages = rl_batch.group_advantages
-    with monkeypatch.context() as m:  # the advantage's sign flipped
-        m.setattr(rl_batch, "group_advantages", lambda rewards, groups: -real_advantages(rewards, groups))
-        flipped = _run()
+    flipped = _run(LossConfig(advantage_estimator="test_sign_flipped"))  # the advantage's sign flipped
     assert _gain(flipped) < 0.0, flipped
 
     real_arrays = batching._sequence_arrays

@@ -3,15 +3,23 @@
 Pure functions with no I/O and no text parsing, usable with any JAX model:
 
     from rstar_jax.rl import grpo_loss, token_logprobs, resample_on_correct, group_advantages
+
+A new policy loss or advantage estimator is a function registered by name (`rstar_jax.rl.registry`)
+and that name in `LossConfig`.
 """
 
 from rstar_jax.rl.advantages import group_advantages
 from rstar_jax.rl.logprobs import naive_token_logprobs, token_logprobs
-from rstar_jax.rl.loss import LossConfig, combine_metrics, empty_metrics, finalize_metrics, grpo_loss
+from rstar_jax.rl.loss import LossConfig, combine_metrics, empty_metrics, finalize_metrics, grpo_loss, grpo_policy_loss
+from rstar_jax.rl.registry import (
+    advantage_estimator_names, get_advantage_estimator, get_policy_loss, policy_loss_names,
+    register_advantage_estimator, register_policy_loss,
+)
 from rstar_jax.rl.roc import RocConfig, RocResult, paper_penalty, release_penalty, resample_on_correct
 
 __all__ = [
     "token_logprobs", "naive_token_logprobs", "grpo_loss", "LossConfig", "combine_metrics", "empty_metrics",
     "finalize_metrics", "resample_on_correct", "RocConfig", "RocResult", "paper_penalty", "release_penalty",
-    "group_advantages",
+    "group_advantages", "grpo_policy_loss", "register_policy_loss", "get_policy_loss", "policy_loss_names",
+    "register_advantage_estimator", "get_advantage_estimator", "advantage_estimator_names",
 ]

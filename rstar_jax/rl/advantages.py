@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from rstar_jax.rl.registry import register_advantage_estimator
 
+
+@register_advantage_estimator("grpo")
 def group_advantages(rewards, group_ids, epsilon: float = 1e-6) -> np.ndarray:
     """(r − mean) / (unbiased std + epsilon) within each group; a group of one gets 0."""
     rewards = np.asarray(rewards, np.float64)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from rstar_jax.errors import from_paths
+from rstar_jax.rl.registry import get_advantage_estimator, get_policy_loss, register_policy_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,9 @@ class LossConfig:
     dual_clip: float | None = None  # verl's clip_ratio_c (3.0); None disables
     log_ratio_clamp: float = 20.0
     entropy_coef: float = 0.0  # GRPO-RoC has no entropy bonus (and no KL term: grpo_loss takes one)
+    # The objective by name (rstar_jax.rl.registry): the step's loss and the batch's advantages.
+    policy_loss: str = "grpo"
+    advantage_estimator: str = "grpo"
 
     def __post_init__(self):
         if not 0 <= self.clip_low < 1:
@@ -38,12 +42,20 @@ class LossConfig:
             raise ValueError(f"LossConfig.log_ratio_clamp must be > 0, got {self.log_ratio_clamp}")
         if self.entropy_coef < 0:
             raise ValueError(f"LossConfig.entropy_coef must be >= 0, got {self.entropy_coef}")
+        # Unknown names fail here, when the settings are built, not at the first jitted step.
+        for field, lookup in (("policy_loss", get_policy_loss), ("advantage_estimator", get_advantage_estimator)):
+            try:
+                lookup(getattr(self, field))
+            except ValueError as e:
+                raise ValueError(f"LossConfig.{field}: {e}") from None
 
     @classmethod
     def from_config(cls, config) -> "LossConfig":
         """From `config.rl`; a ConfigError names the config field of an invalid value."""
         return from_paths(cls, config, {"clip_low": "rl.clip_low", "clip_high": "rl.clip_high",
-                                        "dual_clip": "rl.dual_clip", "entropy_coef": "rl.entropy_coef"})
+                                        "dual_clip": "rl.dual_clip", "entropy_coef": "rl.entropy_coef",
+                                        "policy_loss": "rl.policy_loss",
+                                        "advantage_estimator": "rl.advantage_estimator"})
 
 
 MAX_METRICS = ("ratio_max", "drift_max")
@@ -109,6 +121,17 @@ def grpo_loss(logprobs, old_logprobs, advantages, loss_mask, *, clip_low=0.2, cl
         metrics["drift_abs_sum"] = jnp.float32(0.0)
         metrics["drift_max"] = jnp.float32(0.0)
     return loss_sum, token_count, jax.lax.stop_gradient(metrics)
+
+
+@register_policy_loss("grpo")
+def grpo_policy_loss(settings: LossConfig, logprobs, old_logprobs, advantages, loss_mask, *, entropy=None,
+                     sampler_logprobs=None, **unused_extras):
+    """`grpo_loss` with its coefficients from `settings`: the registered default, "grpo" as the
+    objective is named in rStar2-Agent (GRPO-RoC) and in tunix's registry."""
+    return grpo_loss(logprobs, old_logprobs, advantages, loss_mask, clip_low=settings.clip_low,
+                     clip_high=settings.clip_high, dual_clip=settings.dual_clip,
+                     log_ratio_clamp=settings.log_ratio_clamp, entropy=entropy,
+                     entropy_coef=settings.entropy_coef, sampler_logprobs=sampler_logprobs)
 
 
 def empty_metrics(like: dict) -> dict:

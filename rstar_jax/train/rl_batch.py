@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from rstar_jax.agent.stats import release_counts
-from rstar_jax.rl.advantages import group_advantages
+from rstar_jax.rl.registry import get_advantage_estimator
 from rstar_jax.rl.roc import RocConfig, RocResult, paper_penalty, release_penalty, resample_on_correct
 from rstar_jax.rollout.trajectory import Trajectory
 from rstar_jax.train.batching import TrainingSequence, bucket_length, make_micro_batches
@@ -78,7 +78,9 @@ def penalties_for(trajectories: Sequence[Trajectory], variant: str, decode=None)
 
 
 def prepare_batch(trajectories: Sequence[Trajectory], roc_config: RocConfig, batch_config: BatchConfig,
-                  *, decode=None) -> PreparedBatch:
+                  *, decode=None, advantage_estimator: str = "grpo") -> PreparedBatch:
+    """RoC, then the advantages of the kept rollouts by the estimator registered as
+    `advantage_estimator` (`LossConfig.advantage_estimator`), then fixed-shape micro-batches."""
     if not trajectories:
         raise ValueError("prepare_batch: no trajectories")
     for i, t in enumerate(trajectories):
@@ -91,7 +93,7 @@ def prepare_batch(trajectories: Sequence[Trajectory], roc_config: RocConfig, bat
     if len(roc.kept_indices) == 0:
         return PreparedBatch(None, [], np.zeros(0, np.float32), roc)
     kept = [trajectories[i] for i in roc.kept_indices]
-    advantages = group_advantages(rewards[roc.kept_indices], groups[roc.kept_indices])
+    advantages = get_advantage_estimator(advantage_estimator)(rewards[roc.kept_indices], groups[roc.kept_indices])
     sequences = [
         TrainingSequence(
             prompt_ids=t.prompt_ids, response_ids=t.response_ids, loss_mask=t.loss_mask, advantage=float(a),

@@ -1,9 +1,10 @@
 """The jitted, sharded, donated GRPO train step with exact token-mean micro-batch accumulation.
 
-policy forward -> chunked token log-probs -> grpo_loss -> gradients (accumulated as sums over a
-`lax.scan` of micro-batches) -> divide once by the global token count -> AdamW with global-norm
-clipping. Because numerators and denominators are summed separately, one batch, the same batch in
-micro-batches and the same sequences packed all give the same loss and gradients.
+policy forward -> chunked token log-probs -> the policy loss named in LossConfig (grpo_loss by
+default) -> gradients (accumulated as sums over a `lax.scan` of micro-batches) -> divide once by the
+global token count -> AdamW with global-norm clipping. Because numerators and denominators are
+summed separately, one batch, the same batch in micro-batches and the same sequences packed all
+give the same loss and gradients.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from flax import nnx
 
 from rstar_jax.errors import from_paths
 from rstar_jax.rl.logprobs import token_logprobs
-from rstar_jax.rl.loss import LossConfig, combine_metrics, empty_metrics, grpo_loss
+from rstar_jax.rl.loss import LossConfig, combine_metrics, empty_metrics
+from rstar_jax.rl.registry import get_policy_loss
 
 LR_SCHEDULES = ("constant", "cosine", "wsd")
 
@@ -134,15 +136,14 @@ def _as_step_output(x, mesh: jax.sharding.Mesh):
     return x if canonical == sharding else jax.device_put(x, canonical)
 
 
-def _grpo_micro_loss(model, mb: dict, loss_config: LossConfig, chunk_size: int, temperature):
+def _policy_micro_loss(model, mb: dict, loss_config: LossConfig, chunk_size: int, temperature):
     hidden = model.hidden_states(mb["input_ids"], mb["positions"], mb["segment_ids"])
     logprobs, entropy = token_logprobs(hidden, model.unembedding(), mb["targets"], chunk_size=chunk_size,
                                        temperature=temperature, return_entropy=True)
-    return grpo_loss(
-        logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
-        clip_low=loss_config.clip_low, clip_high=loss_config.clip_high, dual_clip=loss_config.dual_clip,
-        log_ratio_clamp=loss_config.log_ratio_clamp, entropy=jax.lax.stop_gradient(entropy),
-        entropy_coef=loss_config.entropy_coef, sampler_logprobs=mb["sampler_logprobs"])
+    # The loss registered under `loss_config.policy_loss` ("grpo": grpo_loss) gets the settings whole.
+    policy_loss = get_policy_loss(loss_config.policy_loss)
+    return policy_loss(loss_config, logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
+                       entropy=jax.lax.stop_gradient(entropy), sampler_logprobs=mb["sampler_logprobs"])
 
 
 def _has_tokens(mb: dict):
@@ -188,9 +189,10 @@ def accumulate_grads(model: nnx.Module, batch: dict, micro_loss):
 
 def loss_and_grads(model: nnx.Module, batch: dict, loss_config: LossConfig, chunk_size: int = 1024,
                    temperature: Any = 1.0):
-    """Exact token-mean GRPO loss and gradients over all micro-batches of `batch` ([M, B, T] arrays)."""
+    """Exact token-mean policy loss (`loss_config.policy_loss`) and gradients over all micro-batches of
+    `batch` ([M, B, T] arrays)."""
     return accumulate_grads(
-        model, batch, lambda m, mb: _grpo_micro_loss(m, mb, loss_config, chunk_size, temperature))
+        model, batch, lambda m, mb: _policy_micro_loss(m, mb, loss_config, chunk_size, temperature))
 
 
 def _train_step(model, optimizer, batch, loss_config: LossConfig, chunk_size: int, temperature):

@@ -1,0 +1,96 @@
+"""Policy losses and advantage estimators by name, as tunix registers them.
+
+A new objective is one function, registered here under a name, and that name in `LossConfig`
+(`policy_loss`, `advantage_estimator`); the train step and the batch builder look it up, so neither
+changes. The built-ins register themselves where they are defined: the GRPO-RoC loss as "grpo" in
+`rstar_jax.rl.loss`, the group-normalised advantage as "grpo" in `rstar_jax.rl.advantages`.
+
+A policy loss is called inside the jitted step, once per micro-batch:
+
+    loss(settings, logprobs, old_logprobs, advantages, loss_mask, **extras) -> (loss_sum, token_count, metrics)
+
+with `settings` the `LossConfig` whole and [..., T] arrays. `extras` are further per-token arrays the
+step provides by keyword: today `entropy` (gradient stopped) and `sampler_logprobs`; a loss takes the
+ones it uses and accepts the rest with `**extras`, so the step can offer more without breaking it.
+It returns a *sum* and a count, not a mean (the step divides once by the global token count, which
+keeps the token mean exact under micro-batching), and additive metrics (see `grpo_loss`; the
+trainer's `finalize_metrics` reads grpo_loss's keys, so a variant returns at least those).
+
+An advantage estimator runs on the host over the rollouts RoC kept:
+
+    estimator(rewards, group_ids) -> float32 advantages, one per rollout
+"""
+
+from __future__ import annotations
+
+from typing import Callable, TypeVar
+
+from rstar_jax.errors import UserError
+
+F = TypeVar("F", bound=Callable)
+
+
+class _Registry:
+    """Functions by name; a name is bound once (re-registering the same function is allowed, so a
+    reloaded module does not fail), and an unknown name's error lists the registered ones."""
+
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._functions: dict[str, Callable] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a {self.kind} is registered under a non-empty string, got {name!r}")
+
+        def add(fn: F) -> F:
+            bound = self._functions.get(name)
+            if bound is not None and bound is not fn:
+                raise ValueError(f"{self.kind} {name!r} is already registered (to {bound.__module__}."
+                                 f"{bound.__qualname__}); pick another name")
+            self._functions[name] = fn
+            return fn
+
+        return add
+
+    def get(self, name: str) -> Callable:
+        try:
+            return self._functions[name]
+        except (KeyError, TypeError):
+            known = ", ".join(repr(n) for n in sorted(self._functions)) or "none"
+            raise UserError(f"unknown {self.kind} {name!r}; registered: {known}") from None
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(sorted(self._functions))
+
+
+_POLICY_LOSSES = _Registry("policy loss")
+_ADVANTAGE_ESTIMATORS = _Registry("advantage estimator")
+
+
+def register_policy_loss(name: str) -> Callable[[F], F]:
+    """Decorator: `@register_policy_loss("name")` makes the function `LossConfig(policy_loss="name")`."""
+    return _POLICY_LOSSES.register(name)
+
+
+def get_policy_loss(name: str) -> Callable:
+    """The policy loss registered as `name`; a UserError names it and the registered ones otherwise."""
+    return _POLICY_LOSSES.get(name)
+
+
+def policy_loss_names() -> tuple[str, ...]:
+    return _POLICY_LOSSES.names()
+
+
+def register_advantage_estimator(name: str) -> Callable[[F], F]:
+    """Decorator: `@register_advantage_estimator("name")` makes the function
+    `LossConfig(advantage_estimator="name")`."""
+    return _ADVANTAGE_ESTIMATORS.register(name)
+
+
+def get_advantage_estimator(name: str) -> Callable:
+    """The advantage estimator registered as `name`; a UserError names it and the registered ones otherwise."""
+    return _ADVANTAGE_ESTIMATORS.get(name)
+
+
+def advantage_estimator_names() -> tuple[str, ...]:
+    return _ADVANTAGE_ESTIMATORS.names()
