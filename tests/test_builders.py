@@ -9,8 +9,9 @@ import time
 
 import pytest
 
-from rstar_jax.config import REPO_CONFIGS, ConfigError, load_config_file
 from rstar_jax.app import builders
+from rstar_jax.config import REPO_CONFIGS, ConfigError, load_config_file
+from rstar_jax.rollout.loop import LoopConfig
 from rstar_jax.train.trainer import RLSettings
 
 ALLOCATE = "x = bytearray(192 << 20)\nprint(len(x))"
@@ -49,12 +50,16 @@ def _config(**overrides):
 
 @pytest.mark.slow
 def test_sandbox_limits_and_the_verifier_timeout_reach_every_tool_call():
-    """sandbox.memory_mb bounds each call made with the client's defaults (the rollout loop also sends
-    it with every call); sandbox.verify_timeout_s is the scorer's, whichever verifier scores."""
+    """sandbox.memory_mb bounds each call the rollout loop makes (the tool environment travels with
+    every call); sandbox.verify_timeout_s is the scorer's, whichever verifier scores."""
+
+    async def call(config, resources, code):  # as rollout.loop calls it
+        options = LoopConfig.from_config(config).tool_env.sandbox_options()
+        return await resources.client.execute(code, **options)
 
     async def run(config, targets):
         async with builders.rollout_resources(config, targets, urls=[url]) as resources:
-            result = await resources.client.execute(ALLOCATE)  # as rollout.loop calls it
+            result = await call(config, resources, ALLOCATE)
             return result.status, resources.scorer.timeout_s
 
     tight = _config(**{"sandbox.memory_mb": 64, "sandbox.verify_timeout_s": 3.5})
@@ -65,10 +70,10 @@ def test_sandbox_limits_and_the_verifier_timeout_reach_every_tool_call():
 
         async def flood(config):
             async with builders.rollout_resources(config, targets, urls=[url]) as resources:
-                return (await resources.client.execute("print('x' * 5000)")).stdout
+                return (await call(config, resources, "print('x' * 5000)")).stdout
 
-        # The tool environment's per-call options are the client's defaults: the release preset's
-        # stream cut, the project's own byte cap (far above this output).
+        # The tool environment's per-call options: the release preset's stream cut, the project's own
+        # byte cap (far above this output).
         assert asyncio.run(flood(_config(**{"sandbox.preset": "release"}))) == "x" * 1000
         assert asyncio.run(flood(roomy)) == "x" * 5000 + "\n"
 

@@ -4,9 +4,12 @@ Every process runs the same program over one global mesh (launch/README.md, "Sev
 processes"). The host-side pieces here are the only places the run asks which process it is:
 
 - `share(n)`: this process's contiguous part of n items (prompts, questions, servers);
-- `allgather_json(obj)`: every process's JSON-able value, in process order, on every process (the
-  step's trajectories, an evaluation's samples); it travels as bytes through a JAX collective, so
-  it needs nothing beyond `jax.distributed`;
+- `allgather_json(obj)`: every process's JSON-able value, in process order, on every process (an
+  evaluation's samples); it travels as bytes through a JAX collective, so it needs nothing beyond
+  `jax.distributed`;
+- `allgather_arrays(arrays, meta)`: the same for numpy arrays plus a small JSON-able value, packed
+  raw into one flat byte buffer per process (`encode_arrays`/`decode_arrays`): the step's
+  trajectories as token arrays, several times smaller than their JSON;
 - `is_writer()`: the one process that writes files others also need (metrics, rollout records,
   reports, HF exports);
 - `barrier(name)`: every process waits for the others (files written, servers loaded);
@@ -20,9 +23,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import struct
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -55,16 +59,77 @@ def barrier(name: str) -> None:
         multihost_utils.sync_global_devices(name)
 
 
+def _allgather_bytes(payload: np.ndarray) -> list[np.ndarray]:
+    """Every process's flat uint8 `payload`, in process order (each a view of one gathered array):
+    the lengths first, then every payload padded to the longest, through one JAX collective."""
+    lengths = np.asarray(multihost_utils.process_allgather(np.int64(payload.size))).reshape(-1)
+    padded = np.zeros(-(-int(lengths.max()) // 8) * 8, np.uint8)  # rows 8-byte aligned (encode_arrays)
+    padded[:payload.size] = payload
+    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    return [row[:n] for row, n in zip(gathered, lengths)]
+
+
 def allgather_json(value: Any) -> list[Any]:
     """`value` (JSON-able) of every process, in process order, on every process."""
     if jax.process_count() == 1:
         return [value]
     payload = np.frombuffer(json.dumps(value, separators=(",", ":")).encode(), np.uint8)
-    lengths = np.asarray(multihost_utils.process_allgather(np.int64(payload.size))).reshape(-1)
-    padded = np.zeros(int(lengths.max()), np.uint8)
-    padded[:payload.size] = payload
-    gathered = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
-    return [json.loads(row[:n].tobytes()) for row, n in zip(gathered, lengths)]
+    return [json.loads(row.tobytes()) for row in _allgather_bytes(payload)]
+
+
+_MAGIC = b"RJA1"  # format of `encode_arrays`: magic, header length (uint64 LE), JSON header, aligned arrays
+_ALIGN = 8
+
+
+def encode_arrays(arrays: Mapping[str, np.ndarray], meta: Any = None) -> np.ndarray:
+    """`arrays` (numeric numpy arrays, any shapes) and `meta` (JSON-able, small) as one flat uint8
+    buffer: a JSON header (meta, each array's name, dtype with byte order, shape, offset) and then
+    each array's raw bytes, 8-byte aligned. `decode_arrays` gives back equal arrays and meta."""
+    specs, offset = [], 0
+    for name, array in arrays.items():
+        array = np.asarray(array)
+        if array.dtype.hasobject or array.dtype.fields is not None:
+            raise TypeError(f"encode_arrays: {name!r} has dtype {array.dtype}; only plain numeric arrays travel raw")
+        specs.append([name, array.dtype.str, list(array.shape), offset])
+        offset += -(-array.nbytes // _ALIGN) * _ALIGN
+    header = json.dumps({"meta": meta, "arrays": specs}, separators=(",", ":")).encode()
+    start = -(-(len(_MAGIC) + 8 + len(header)) // _ALIGN) * _ALIGN
+    buffer = np.zeros(start + offset, np.uint8)
+    buffer[:len(_MAGIC) + 8] = np.frombuffer(_MAGIC + struct.pack("<Q", len(header)), np.uint8)
+    buffer[len(_MAGIC) + 8:len(_MAGIC) + 8 + len(header)] = np.frombuffer(header, np.uint8)
+    for (_, _, _, at), array in zip(specs, arrays.values()):
+        raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+        buffer[start + at:start + at + raw.size] = raw
+    return buffer
+
+
+def decode_arrays(buffer: np.ndarray | bytes) -> tuple[dict[str, np.ndarray], Any]:
+    """The (arrays, meta) that `encode_arrays` packed into `buffer`; the arrays are read-only views
+    of `buffer` (copy one to keep it beyond the buffer's life or to write it)."""
+    buffer = np.frombuffer(buffer, np.uint8) if isinstance(buffer, (bytes, bytearray, memoryview)) else buffer
+    if buffer.dtype != np.uint8 or buffer.ndim != 1 or buffer[:len(_MAGIC)].tobytes() != _MAGIC:
+        raise ValueError("decode_arrays: not a buffer from encode_arrays")
+    (size,) = struct.unpack("<Q", buffer[len(_MAGIC):len(_MAGIC) + 8].tobytes())
+    header = json.loads(buffer[len(_MAGIC) + 8:len(_MAGIC) + 8 + size].tobytes())
+    start = -(-(len(_MAGIC) + 8 + size) // _ALIGN) * _ALIGN
+    arrays = {}
+    for name, dtype, shape, at in header["arrays"]:
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape, dtype=np.int64))
+        array = np.frombuffer(buffer, dtype, count=count, offset=start + at).reshape(shape)
+        array.flags.writeable = False
+        arrays[name] = array
+    return arrays, header["meta"]
+
+
+def allgather_arrays(arrays: Mapping[str, np.ndarray], meta: Any = None) -> list[tuple[dict[str, np.ndarray], Any]]:
+    """Every process's (arrays, meta), in process order, on every process: `encode_arrays`'s one
+    flat buffer per process, gathered as `allgather_json` gathers its bytes (padded to the longest,
+    one JAX collective). Array names, shapes and dtypes may differ between processes. With one
+    process, nothing is encoded: the value comes back as given."""
+    if jax.process_count() == 1:
+        return [(dict(arrays), meta)]
+    return [decode_arrays(row) for row in _allgather_bytes(encode_arrays(arrays, meta))]
 
 
 def host_state(model) -> Any:
