@@ -9,7 +9,7 @@ in this tree, so this file is also the schema.
 import ml_collections
 from ml_collections import config_dict
 
-from rstar_jax.model.sharding import DEFAULT_RULES
+from rstar_jax.model.config import DEFAULT_RULES  # jax-free: checking a config imports no jax
 
 
 def get_config() -> ml_collections.ConfigDict:

@@ -4,7 +4,8 @@ Every parameter carries logical axis names (metadata ``logical_axes``) and the m
 fixed logical layouts (`ACTIVATION_AXES`); a rules table maps those names to the mesh axes
 ("data", "fsdp", "tensor"). The loader places checkpoints with these alone; building meshes,
 sharded initialisation and memory plans are in the `parallel` package, which imports this module
-(never the reverse).
+(never the reverse). `MESH_AXES` and `DEFAULT_RULES` live in `rstar_jax.model.config`, so that
+configs are checked without jax, and are re-exported here.
 """
 
 from __future__ import annotations
@@ -16,26 +17,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from rstar_jax.model.config import DEFAULT_RULES, MESH_AXES  # jax-free, for config checks; re-exported
+
 if TYPE_CHECKING:
     from rstar_jax.model.qwen3 import Qwen3
-
-MESH_AXES = ("data", "fsdp", "tensor")
-
-# Logical name -> mesh axis (or axes, or None = replicated). Weights are FSDP-sharded on the
-# embedding dimension and tensor-parallel on heads / MLP / vocabulary; activations are sharded on
-# the batch over both data-parallel axes.
-DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
-    ("batch", ("data", "fsdp")),
-    ("length", None),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("head_dim", None),
-    ("mlp", "tensor"),
-    ("layers", None),
-    ("norm", None),
-)
 
 # Main activations: [batch, length, embed] and [batch, length, heads, head_dim].
 ACTIVATION_AXES = {

@@ -1,32 +1,37 @@
 """Meshes, sharded initialisation and memory planning.
 
 The logical-axis rules and the shardings they give (`DEFAULT_RULES`, `param_shardings`, ...) are the
-model's own (`rstar_jax.model.sharding`) and are re-exported here.
+model's own (`rstar_jax.model.sharding`) and are re-exported here. Names load lazily (PEP 562): a
+config check imports `MESH_AXES` without jax, and `python -m rstar_jax.parallel.memory` runs its
+module only once.
 """
 
-from rstar_jax.model.sharding import (
-    DEFAULT_RULES,
-    MESH_AXES,
-    logical_sharding,
-    logical_to_spec,
-    param_shardings,
-    set_activation_shardings,
-    state_shardings,
-)
-from rstar_jax.parallel.mesh import make_mesh, maybe_initialize_distributed
-from rstar_jax.parallel.sharding import create_sharded_model, shard_model
+import importlib
 
-__all__ = [
-    "DEFAULT_RULES", "MESH_AXES", "make_mesh", "maybe_initialize_distributed", "logical_sharding", "logical_to_spec",
-    "MemoryPlan", "memory_plan", "create_sharded_model", "param_shardings",
-    "state_shardings", "shard_model", "set_activation_shardings",
-]
+_EXPORTS = {  # name -> the submodule that defines it
+    "DEFAULT_RULES": "rstar_jax.model.config",
+    "MESH_AXES": "rstar_jax.model.config",
+    "logical_sharding": "rstar_jax.model.sharding",
+    "logical_to_spec": "rstar_jax.model.sharding",
+    "param_shardings": "rstar_jax.model.sharding",
+    "set_activation_shardings": "rstar_jax.model.sharding",
+    "state_shardings": "rstar_jax.model.sharding",
+    "make_mesh": "rstar_jax.parallel.mesh",
+    "maybe_initialize_distributed": "rstar_jax.parallel.mesh",
+    "create_sharded_model": "rstar_jax.parallel.sharding",
+    "shard_model": "rstar_jax.parallel.sharding",
+    "MemoryPlan": "rstar_jax.parallel.memory",
+    "memory_plan": "rstar_jax.parallel.memory",
+}
+
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name):
-    # Imported lazily so that `python -m rstar_jax.parallel.memory` runs its module only once.
-    if name in ("MemoryPlan", "memory_plan"):
-        from rstar_jax.parallel import memory
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-        return getattr(memory, name)
-    raise AttributeError(f"module 'rstar_jax.parallel' has no attribute {name!r}")
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
