@@ -17,41 +17,9 @@ from rstar_jax.agent.stats import release_counts
 from rstar_jax.rl.registry import get_advantage_estimator
 from rstar_jax.rl.roc import RocConfig, RocResult, paper_penalty, release_penalty, resample_on_correct
 from rstar_jax.rollout.trajectory import Trajectory
-from rstar_jax.train.batching import TrainingSequence, bucket_length, make_micro_batches
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchConfig:
-    rows: int  # rows per micro-batch over the whole mesh: data-parallel shards x rows per shard
-    row_length: int  # tokens per row (prompt + response - 1 for the largest sequence)
-    packed: bool = True
-    # Every step's batch has exactly this many micro-batches (its worst case), so the jitted step
-    # compiles once per run; empty ones cost nothing. None: as many as each step needs.
-    num_micro_batches: int | None = None
-    use_sampler_logprobs: bool = True  # old log-probs from the sampler (else recomputed by the trainer)
-
-    def __post_init__(self):
-        if self.rows < 1:
-            raise ValueError(f"BatchConfig.rows must be >= 1, got {self.rows}")
-        if self.row_length < 2:
-            raise ValueError(f"BatchConfig.row_length must be >= 2, got {self.row_length}")
-        if self.num_micro_batches is not None and self.num_micro_batches < 1:
-            raise ValueError(f"BatchConfig.num_micro_batches must be >= 1 (or None), got {self.num_micro_batches}")
-
-    @classmethod
-    def from_config(cls, config, data_parallel: int = 1) -> "BatchConfig":
-        """`rl.micro_batch_tokens` per data-parallel shard (the release's ppo_max_token_len_per_gpu):
-        each micro-batch holds `data_parallel` times that many rows. The micro-batch count is fixed
-        at what the most RoC can keep (num_prompts_per_step x group_size trajectories, one per row)."""
-        r, rl = config.rollout, config.rl
-        row_length = row_length_for(r.max_prompt_length, r.response_budget)
-        # A row is the longest sequence rounded up to 128 tokens: a budget of at least one sequence
-        # (what validation asks for) holds at least one row.
-        per_shard = max(1, rl.micro_batch_tokens // row_length)
-        rows = data_parallel * per_shard
-        most_kept = config.data.num_prompts_per_step * rl.group_size
-        return cls(rows=rows, row_length=row_length, packed=True, num_micro_batches=-(-most_kept // rows),
-                   use_sampler_logprobs=rl.use_sampler_logprobs)
+from rstar_jax.train.batching import TrainingSequence, make_micro_batches
+# Re-exported: defined apart so configs are checked without jax.
+from rstar_jax.train.settings import BatchConfig, row_length_for  # noqa: F401
 
 
 @dataclasses.dataclass
@@ -104,8 +72,3 @@ def prepare_batch(trajectories: Sequence[Trajectory], roc_config: RocConfig, bat
     batch = make_micro_batches(sequences, rows=batch_config.rows, row_length=batch_config.row_length,
                                packed=batch_config.packed, num_micro_batches=batch_config.num_micro_batches)
     return PreparedBatch(batch, kept, advantages, roc)
-
-
-def row_length_for(max_prompt_length: int, response_budget: int, multiple: int = 128) -> int:
-    """A row fits the longest possible sequence (inputs are one token shorter than the sequence)."""
-    return bucket_length(max_prompt_length + response_budget - 1, multiple)

@@ -9,7 +9,6 @@ give the same loss and gradients.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -17,68 +16,11 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from rstar_jax.errors import from_paths
 from rstar_jax.rl.logprobs import token_logprobs
 from rstar_jax.rl.loss import LossConfig, combine_metrics, empty_metrics
 from rstar_jax.rl.registry import get_policy_loss
-
-LR_SCHEDULES = ("constant", "cosine", "wsd")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    lr: float = 1e-6  # rStar2-Agent §5.3: constant 1e-6
-    warmup_steps: int = 20  # linear warm-up over 20 rollout steps
-    # "cosine" decays over all steps after the warm-up (SFT); "wsd" (warm-up, stable, decay) holds the
-    # rate, then decays it with a cosine over the last `decay_ratio` of the steps.
-    schedule: str = "constant"
-    total_steps: int = 0  # needed by "cosine" and "wsd"
-    decay_ratio: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.999
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    min_lr_ratio: float = 0.0
-
-    def __post_init__(self):
-        if self.schedule not in LR_SCHEDULES:
-            raise ValueError(f"OptimizerConfig.schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}")
-        if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
-            raise ValueError(f"OptimizerConfig.total_steps must exceed warmup_steps for a {self.schedule} schedule")
-        if not 0.0 < self.decay_ratio <= 1.0:
-            raise ValueError(f"OptimizerConfig.decay_ratio must be in (0, 1], got {self.decay_ratio}")
-        if self.lr <= 0:
-            raise ValueError(f"OptimizerConfig.lr must be > 0, got {self.lr}")
-        if self.warmup_steps < 0:
-            raise ValueError(f"OptimizerConfig.warmup_steps must be >= 0, got {self.warmup_steps}")
-        for name in ("b1", "b2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"OptimizerConfig.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.weight_decay < 0:
-            raise ValueError(f"OptimizerConfig.weight_decay must be >= 0, got {self.weight_decay}")
-        if self.grad_clip < 0:
-            raise ValueError(f"OptimizerConfig.grad_clip must be >= 0, got {self.grad_clip}")
-
-    @classmethod
-    def from_config(cls, config) -> "OptimizerConfig":
-        """The RL optimizer: `config.optim` over `train.steps`; a ConfigError names an invalid field."""
-        return from_paths(cls, config, {**ADAMW_PATHS, "lr": "optim.lr", "warmup_steps": "optim.warmup_steps",
-                                        "schedule": "optim.schedule", "total_steps": "train.steps",
-                                        "decay_ratio": "optim.decay_ratio"})
-
-    @classmethod
-    def for_sft(cls, config, total_steps: int) -> "OptimizerConfig":
-        """The SFT optimizer: `config.sft`'s rate and schedule over `total_steps`, warm-up as a
-        fraction of them (a schedule too short for its warm-up stays constant), AdamW from `config.optim`."""
-        warmup = max(0, int(round(config.sft.warmup_ratio * total_steps)))
-        return from_paths(cls, config, {**ADAMW_PATHS, "lr": "sft.lr", "warmup_steps": "sft.warmup_ratio",
-                                        "schedule": "sft.schedule", "total_steps": "sft.epochs",
-                                        "decay_ratio": "sft.decay_ratio"},
-                          warmup_steps=warmup, total_steps=total_steps,
-                          schedule=config.sft.schedule if total_steps > warmup else "constant")
-
-
-ADAMW_PATHS = {"b1": "optim.b1", "b2": "optim.b2", "weight_decay": "optim.weight_decay", "grad_clip": "optim.grad_clip"}
+# Re-exported: defined apart so configs are checked without jax.
+from rstar_jax.train.settings import ADAMW_PATHS, LR_SCHEDULES, OptimizerConfig  # noqa: F401
 
 
 def lr_schedule(config: OptimizerConfig) -> optax.Schedule:

@@ -71,12 +71,12 @@ from rstar_jax.engine import weight_transfer
 from rstar_jax.engine.jax_engine import JaxEngine
 from rstar_jax.rollout.protocol import GeneratorUnavailable
 from rstar_jax.rollout.sglang import SGLangError, SGLangGenerator
+# Re-exported: defined apart so configs are checked without jax.
+from rstar_jax.train.settings import SYNC_METHODS, SYNC_MODES
 
 log = logging.getLogger(__name__)
 
-SYNC_MODES = ("abort", "pause", "wait")
 DISK_SYNC_MODES = SYNC_MODES
-SYNC_METHODS = ("disk", "distributed")
 DEFAULT_BUCKET_BYTES = 1 << 30
 
 
