@@ -3,7 +3,8 @@
 Every `import` in every module under rstar_jax/ and sandbox_service/ is read from the source (also
 those inside functions), mapped to the package it reaches, and checked against what DESIGN allows:
 commands -> `app/` -> (`train/`, `evaluation/`, `engine/`, `rollout/`) -> (`rl/`, `model/`, `agent/`,
-`data/`, `parallel/`). `config/` is imported by `app/` and the commands only, and imports no layer;
+`data/`, `parallel/`). `config/` is imported by `app/` and the commands only, and reaches the libraries
+only through their jax-free settings modules (the types and enums it validates against);
 `rl/` and `model/` import no other layer; `rollout/` (the client side) knows the agent protocol and
 the sandbox, not the engine, the model or an optimizer; `engine/` (the serving side) implements the
 rollout's generator protocol and knows nothing else of it; `sandbox_service` stands alone.
@@ -21,7 +22,7 @@ BASE = {"model", "parallel", "rl", "agent", "data"}
 ALLOWED = {
     "errors": set(),
     "rstar_jax": set(),
-    "config": {"errors"},
+    "config": {"errors", "agent", "data", "engine", "model", "rl", "rollout", "train"},
     "model": {"errors"},
     "parallel": {"errors", "model"},
     "rl": {"errors"},
@@ -38,7 +39,16 @@ ALLOWED = {
 }
 ALLOWED["config.__main__"] = {"errors", "config"}
 # Edges allowed between two nodes only through these modules.
-ONLY_THROUGH = {("engine", "rollout"): {"rstar_jax.rollout.protocol"}}
+ONLY_THROUGH = {
+    ("engine", "rollout"): {"rstar_jax.rollout.protocol"},
+    ("config", "agent"): {"rstar_jax.agent.conversation", "rstar_jax.agent.reward", "rstar_jax.agent.template"},
+    ("config", "data"): {"rstar_jax.data.synthetic"},
+    ("config", "engine"): {"rstar_jax.engine.weight_transfer"},
+    ("config", "model"): {"rstar_jax.model.config"},
+    ("config", "rl"): {"rstar_jax.rl.roc", "rstar_jax.rl.settings"},
+    ("config", "rollout"): {"rstar_jax.rollout.loop", "rstar_jax.rollout.scheduler", "rstar_jax.rollout.tool_env"},
+    ("config", "train"): {"rstar_jax.train.settings"},
+}
 
 
 SUBMODULES = {p.stem for p in (ROOT / "rstar_jax").iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()}

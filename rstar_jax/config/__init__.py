@@ -36,22 +36,21 @@ from typing import Any, TypeVar
 
 import ml_collections
 
+# The libraries' settings types and enums, from their jax-free modules: checking a config imports no
+# JAX (tests/test_config_check.py), and the rules live once, with the types that hold the values.
 from rstar_jax.agent.conversation import CONVERSATION_TEMPLATES
 from rstar_jax.agent.reward import SCORER_MODES
 from rstar_jax.agent.template import TEMPLATE_STYLES
 from rstar_jax.data.synthetic import BEHAVIOURS, GENERATORS
+from rstar_jax.engine.weight_transfer import BACKENDS as WEIGHT_SYNC_BACKENDS
 from rstar_jax.errors import ConfigError, UserError  # noqa: F401  (re-exported)
-from rstar_jax.model.qwen3 import DTYPE_NAMES, Qwen3Config
-from rstar_jax.parallel import MESH_AXES
-from rstar_jax.rl.loss import LossConfig
+from rstar_jax.model.config import DTYPE_NAMES, MESH_AXES, Qwen3Config
 from rstar_jax.rl.roc import RocConfig
+from rstar_jax.rl.settings import LossConfig
 from rstar_jax.rollout.loop import LoopConfig
 from rstar_jax.rollout.scheduler import RESERVATIONS
 from rstar_jax.rollout.tool_env import ToolEnv
-from rstar_jax.engine.weight_transfer import BACKENDS as WEIGHT_SYNC_BACKENDS
-from rstar_jax.train.rl_batch import BatchConfig
-from rstar_jax.train.step import OptimizerConfig
-from rstar_jax.train.weight_sync import SYNC_METHODS, SYNC_MODES
+from rstar_jax.train.settings import SYNC_METHODS, SYNC_MODES, BatchConfig, OptimizerConfig
 
 T = TypeVar("T")
 
