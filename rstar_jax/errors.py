@@ -59,18 +59,3 @@ def from_fields(cls: type[T], fields: Mapping[str, tuple[str, Any]]) -> T:
         paths = [path for path, _ in fields.values()]
         section = paths[0].rpartition(".")[0] or paths[0] if paths else ""
         raise ConfigError(f"config.{section}: {message}" if section else f"config: {message}") from None
-
-
-def config_value(config: Any, path: str) -> Any:
-    """The value at a dotted path of a config (`config_value(c, "rl.clip_low")`)."""
-    node = config
-    for part in path.split("."):
-        node = node[part]
-    return node
-
-
-def from_paths(cls: type[T], config: Any, paths: Mapping[str, str], **values: Any) -> T:
-    """`from_fields` with each value read from `config` at its path; `values` given here (derived
-    from several fields) stand in for the config's."""
-    return from_fields(cls, {name: (path, values[name] if name in values else config_value(config, path))
-                             for name, path in paths.items()})

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 from rstar_jax.config import REPO_CONFIGS, load_config_file
-from rstar_jax.model.qwen3 import Qwen3Config
+from rstar_jax.config import resolve
 from rstar_jax.parallel import make_mesh
 from rstar_jax.app.aot import abstract_policy, compile_steps, prefill_length
 from rstar_jax.parallel.memory import memory_plan
@@ -23,7 +23,7 @@ def test_compiled_update_holds_the_planned_parameters_and_optimizer_state_per_de
     mesh = make_mesh(*builders.check_mesh(config, jax.device_count()))
     assert mesh.shape["fsdp"] == 8
     update, sft = compile_steps(config, mesh)
-    plan = memory_plan(Qwen3Config.from_config(config), mesh, rules=builders.mesh_rules(config))
+    plan = memory_plan(resolve.model_config(config), mesh, rules=builders.mesh_rules(config))
     counters = sum(x.dtype.itemsize for x in jax.tree.leaves(abstract_policy(config, mesh)[1][1]) if x.ndim == 0)
     for step in (update, sft):
         assert step.argument_bytes - step.data_bytes == plan.param_bytes + plan.opt_state_bytes + counters, step

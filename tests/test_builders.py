@@ -11,8 +11,7 @@ import pytest
 
 from rstar_jax.app import builders
 from rstar_jax.config import REPO_CONFIGS, ConfigError, load_config_file
-from rstar_jax.rollout.loop import LoopConfig
-from rstar_jax.train.trainer import RLSettings
+from rstar_jax.config import resolve
 
 ALLOCATE = "x = bytearray(192 << 20)\nprint(len(x))"
 
@@ -54,7 +53,7 @@ def test_sandbox_limits_and_the_verifier_timeout_reach_every_tool_call():
     every call); sandbox.verify_timeout_s is the scorer's, whichever verifier scores."""
 
     async def call(config, resources, code):  # as rollout.loop calls it
-        options = LoopConfig.from_config(config).tool_env.sandbox_options()
+        options = resolve.loop_config(config).tool_env.sandbox_options()
         return await resources.client.execute(code, **options)
 
     async def run(config, targets):
@@ -83,7 +82,7 @@ def test_the_policy_and_its_settings_follow_the_mesh():
     model, mesh = builders.build_policy(config)
     assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1} and builders.data_parallel(mesh) == 8
     assert model.q_proj[...].sharding.mesh == mesh
-    one, eight = RLSettings.from_config(config), RLSettings.from_config(config, builders.data_parallel(mesh))
+    one, eight = resolve.rl_settings(config), resolve.rl_settings(config, builders.data_parallel(mesh))
     assert eight.batch.rows == 8 * one.batch.rows  # rl.micro_batch_tokens is per data-parallel shard
     # The micro-batch count is what RoC can keep at most (4 prompts x 4 kept), whatever a step kept.
     assert one.batch.num_micro_batches == 16 and eight.batch.num_micro_batches == 2

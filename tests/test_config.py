@@ -18,9 +18,8 @@ from rstar_jax.config import (
     load_config_file,
     validate,
 )
+from rstar_jax.config import resolve
 from rstar_jax.errors import from_fields
-from rstar_jax.model.qwen3 import Qwen3Config
-from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.app.builders import check_mesh
 
 ALL_CONFIGS = ("base", "stage1", "stage2", "stage3", "sft", "eval", "tiny")
@@ -99,12 +98,12 @@ def test_recipe_values_per_stage():
         assert c.rollout.max_prompt_length == 2048
     # spec §2.3, §3.2: every stage, the SFT data and evaluation meet the release's tool environment.
     for c in (s1, s2, s3, sft, ev):
-        env = ToolEnv.from_config(c)
+        env = resolve.tool_env(c)
         assert (env.preset, env.timeout_s, env.memory_mb, env.stream_cap_chars, env.observation_max_chars) == \
             ("release", 4.0, 384, 1000, 256)
         assert (env.error_format, env.preimports, env.tool_call_parsing) == ("release", False, "release")
         assert env.memory_address_space
-    tiny = ToolEnv.from_config(_load("tiny"))  # the project's own environment; the tiny run's explicit values win
+    tiny = resolve.tool_env(_load("tiny"))  # the project's own environment; the tiny run's explicit values win
     assert (tiny.preset, tiny.memory_mb, tiny.memory_address_space, tiny.stream_cap_chars) == ("rich", 512, False, 0)
     assert (tiny.error_format, tiny.preimports) == ("traceback", True)
     assert (tiny.observation_style, tiny.observation_max_chars, tiny.tool_call_parsing) == ("paper", 64, "rich")
@@ -139,7 +138,7 @@ def test_every_recipe_value_cites_the_spec():
 
 def test_tiny_config_describes_a_tiny_model():
     config = _load("tiny")
-    model = Qwen3Config.from_config(config)
+    model = resolve.model_config(config)
     assert (model.num_layers, model.hidden_size, model.max_position_embeddings) == (4, 128, 1024)
     assert config.mode == "rl" and config.rollout.template == "bare" and config.data.synthetic.kinds == ("product",)
     # Held-out evaluation where RL starts, midway and at the end.

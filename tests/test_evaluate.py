@@ -25,9 +25,10 @@ from flax import nnx
 from rstar_jax.agent.template import GENERATION_PROMPT
 from rstar_jax.agent.tokenizer import ByteTokenizer
 from rstar_jax.config import REPO_CONFIGS, ConfigError, load_config_file, validate
+from rstar_jax.config import resolve
 from rstar_jax.evaluation import EvalError, SampleStore, build_report, load_questions, report_ks
 from rstar_jax.model.hf import save_pretrained
-from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
+from rstar_jax.model.qwen3 import Qwen3
 from rstar_jax.engine.local_server import LocalServer
 from rstar_jax.train.checkpoint import policy_source
 from rstar_jax.app.held_out import run_evaluation
@@ -39,13 +40,13 @@ EDGE = 20.0  # logit of a table transition; every other token has logit 0
 
 
 def answering_model(config, *, answers=("7",), filler_logit: float | None = None) -> Qwen3:
-    """A `Qwen3Config.from_config(config)` Qwen3 that answers `\\boxed{a}` with `a` uniform over `answers`.
+    """A `resolve.model_config(config)` Qwen3 that answers `\\boxed{a}` with `a` uniform over `answers`.
 
     With filler_logit, the answer is preceded by spaces: after `{` or a space, another space has
     logit EDGE + filler_logit against EDGE for each answer (longer responses, a geometric length).
     """
     tok = ByteTokenizer()
-    cfg = Qwen3Config.from_config(config)
+    cfg = resolve.model_config(config)
     model = Qwen3(cfg, rngs=nnx.Rngs(0))
     byte = lambda ch: tok.encode(ch)[0]  # noqa: E731
     chain = [tok.encode(GENERATION_PROMPT)[-1]] + tok.encode("\\boxed{")

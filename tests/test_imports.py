@@ -164,3 +164,56 @@ def test_commands_are_thin_entry_points(command):
     tree = ast.parse(source)
     functions = [n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     assert len(functions) <= 3 and not any(isinstance(n, ast.ClassDef) for n in tree.body)
+
+
+# Below the composition layer the libraries take typed settings; only these read a ConfigDict.
+READS_CONFIG = {"config", "app", *COMMANDS, "config.__main__"}
+
+
+def _config_sections() -> set[str]:
+    """The schema's sections (`rl`, `rollout`, ...): a typed settings object may well have a `seed`."""
+    import ml_collections
+
+    from rstar_jax.config import base_config
+
+    return {key for key, value in base_config().items() if isinstance(value, ml_collections.ConfigDict)}
+
+
+def _config_reads(path: pathlib.Path, sections: set[str]):
+    """(line, what) for each place the module reads a ConfigDict: `ml_collections` imported, or a
+    config section read off a name called `config` / `cfg` / `c`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            if any(n == "ml_collections" or n.startswith("ml_collections.") for n in names):
+                yield node.lineno, "imports ml_collections"
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id in ("config", "cfg", "c") and node.attr in sections:
+            yield node.lineno, f"reads {node.value.id}.{node.attr}"
+        elif isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) \
+                and node.value.id in ("config", "cfg", "c") and isinstance(node.slice, ast.Constant) \
+                and node.slice.value in sections:
+            yield node.lineno, f"reads {node.value.id}[{node.slice.value!r}]"
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name in ("from_config", "for_sft"):
+            yield node.lineno, f"defines {node.name}"
+
+
+
+def test_no_module_below_the_composition_layer_reads_a_config():
+    sections = _config_sections()
+    found = []
+    for top in ("rstar_jax", "sandbox_service"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if _source_node(path) in READS_CONFIG:
+                continue
+            found += [f"{path.relative_to(ROOT)}:{line} {what}" for line, what in _config_reads(path, sections)]
+    assert not found, "a ConfigDict read below app/ (resolve it in rstar_jax.config.resolve):\n" + "\n".join(found)
+
+
+def test_the_config_read_checker_can_fail(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("import ml_collections\n\ndef f(config, cfg):\n    return config.rl.clip_low, cfg.sandbox, config.seed\n"
+                      "\ndef from_config(c):\n    return c['rl']\n")
+    assert sorted(what for _, what in _config_reads(source, {"rl", "sandbox"})) == \
+        ["defines from_config", "imports ml_collections", "reads c['rl']", "reads cfg.sandbox", "reads config.rl"]

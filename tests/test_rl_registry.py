@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rstar_jax.errors import ConfigError, UserError, from_paths
+from rstar_jax.config import REPO_CONFIGS, load_config_file, resolve
+from rstar_jax.errors import ConfigError, UserError
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.rl import (
     LossConfig, get_advantage_estimator, get_policy_loss, group_advantages, grpo_loss, register_advantage_estimator,
@@ -93,9 +94,10 @@ def test_unknown_names_say_which_and_what_is_registered():
     with pytest.raises(ValueError, match=r"LossConfig.advantage_estimator: unknown advantage estimator 'rloo'"):
         LossConfig(advantage_estimator="rloo")
     # Through a config, the error names the config field.
-    config = {"rl": {"policy_loss": "ppo"}}
+    config = load_config_file(REPO_CONFIGS / "tiny.py")
+    config.rl.policy_loss = "ppo"
     with pytest.raises(ConfigError, match=r"config.rl.policy_loss: unknown policy loss 'ppo'"):
-        from_paths(LossConfig, config, {"policy_loss": "rl.policy_loss"})
+        resolve.loss_config(config)
 
 
 def test_a_name_is_bound_once():

@@ -468,8 +468,8 @@ def test_a_run_on_sandbox_fusion_executes_its_tool_calls_through_the_http_endpoi
     with its HTTP endpoint, waits for /v1/ping and runs a trajectory's tool calls through it in the
     release preset's environment (one-line errors, streams cut at 1000 characters)."""
     from rstar_jax.agent.tokenizer import IM_END, ByteTokenizer
-    from rstar_jax.config import REPO_CONFIGS, load_config_file, validate
-    from rstar_jax.rollout.loop import LoopConfig, run_trajectory
+    from rstar_jax.config import REPO_CONFIGS, load_config_file, resolve, validate
+    from rstar_jax.rollout.loop import run_trajectory
     from rstar_jax.app import builders
     from tests.test_builders import health_server
     from tests.test_rollout_loop import ScriptedGenerator, exact_scorer
@@ -478,7 +478,7 @@ def test_a_run_on_sandbox_fusion_executes_its_tool_calls_through_the_http_endpoi
     config.update_from_flattened_dict({"sandbox.api": "sandbox_fusion", "sandbox.preset": "release",
                                        "sandbox.workers": 1, "rollout.observation_max_chars": 1024})
     config = validate(config)
-    loop = dataclasses.replace(LoopConfig.from_config(config), max_turns=4, response_budget=4096)
+    loop = dataclasses.replace(resolve.loop_config(config), max_turns=4, response_budget=4096)
     def call(code: str, stdin: str = "") -> str:
         body = {"name": config.rollout.tool_name, "arguments": {"code": code, "input": stdin}}
         return f"<tool_call>\n{json.dumps(body)}\n</tool_call>"

@@ -17,8 +17,9 @@ from rstar_jax.agent.stats import release_counts
 from rstar_jax.agent.tokenizer import IM_END, ByteTokenizer
 from rstar_jax.agent.tool_calls import ToolCall, ToolCallError, format_observation, parse_tool_calls
 from rstar_jax.config import REPO_CONFIGS, load_config_file
+from rstar_jax.config import resolve
 from rstar_jax.data.synthetic import generate_problems, sft_conversation
-from rstar_jax.rollout.loop import LoopConfig, run_trajectory
+from rstar_jax.rollout.loop import run_trajectory
 from rstar_jax.rollout.tool_env import ToolEnv
 from tests.test_rollout_loop import Result, ScriptedGenerator, exact_scorer
 
@@ -105,9 +106,9 @@ def test_the_loop_sends_the_preset_to_the_sandbox_and_skips_string_arguments():
             self.calls.append((code, options))
             return Result("ok", stdout="42\n")
 
-    config = LoopConfig.from_config(load_config_file(REPO_CONFIGS / "stage1.py"))
+    config = resolve.loop_config(load_config_file(REPO_CONFIGS / "stage1.py"))
     assert (config.tool_env.tool_call_parsing, config.tool_env.observation_max_chars) == ("release", 256)
-    evaluation = LoopConfig.from_config(load_config_file(REPO_CONFIGS / "eval.py"), "eval")
+    evaluation = resolve.loop_config(load_config_file(REPO_CONFIGS / "eval.py"), "eval")
     assert evaluation.tool_env == config.tool_env and evaluation.tool_env.tool_call_parsing == "release"
     turns = [f"Try. {_call(json.dumps({'code': 'print(6 * 7)'}))}{IM_END}",
              f"Again. {_call({'code': 'print(6 * 7)'})}{IM_END}",

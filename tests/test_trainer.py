@@ -15,6 +15,7 @@ from flax import nnx
 
 from rstar_jax.agent.tokenizer import ByteTokenizer
 from rstar_jax.config import REPO_CONFIGS, load_config_file
+from rstar_jax.config import resolve
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.parallel import create_sharded_model, make_mesh
 from rstar_jax.rl.loss import LossConfig
@@ -163,7 +164,7 @@ def _update_trainer(mesh):
     config = _config()
     model = create_sharded_model(CONFIG, mesh, seed=0)
     optimizer = make_optimizer(model, OptimizerConfig(lr=1e-3, warmup_steps=0))
-    settings = RLSettings.from_config(config, builders.data_parallel(mesh))
+    settings = resolve.rl_settings(config, builders.data_parallel(mesh))
     return RLTrainer(model, optimizer, TOK, settings, executor=NoTools(), scorer=None, weight_sync=None, mesh=mesh)
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rstar_jax.config import resolve
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.model.sharding import set_activation_shardings, state_shardings
 from rstar_jax.parallel import make_mesh
@@ -30,7 +31,7 @@ from rstar_jax.rl.loss import LossConfig
 from rstar_jax.engine.jax_engine import decode_step, pool_sharding, prefill_step
 from rstar_jax.app import builders
 from rstar_jax.train.batching import TrainingSequence, make_micro_batches
-from rstar_jax.train.rl_batch import BatchConfig, row_length_for
+from rstar_jax.train.rl_batch import row_length_for
 from rstar_jax.train.sft import _sft_step
 from rstar_jax.train.step import OptimizerConfig, _train_step, batch_sharding, make_tx
 
@@ -101,7 +102,7 @@ def _measure(name: str, jitted, args, *, data) -> CompiledStep:
 
 def _abstract_model(config, mesh):
     """(graphdef, abstract state placed on `mesh`) of the config's model, and the abstract module."""
-    return _abstract_model_for(Qwen3Config.from_config(config), mesh, builders.mesh_rules(config))
+    return _abstract_model_for(resolve.model_config(config), mesh, builders.mesh_rules(config))
 
 
 def _abstract_model_for(model_config: Qwen3Config, mesh, rules):
@@ -112,7 +113,7 @@ def _abstract_model_for(model_config: Qwen3Config, mesh, rules):
 
 def abstract_policy(config, mesh):
     """(graphdef, abstract state) of the model and of its optimizer, placed as the run places them."""
-    return abstract_policy_for(Qwen3Config.from_config(config), OptimizerConfig.from_config(config), mesh,
+    return abstract_policy_for(resolve.model_config(config), resolve.optimizer_config(config), mesh,
                                builders.mesh_rules(config))
 
 
@@ -137,8 +138,8 @@ def compile_grpo_update(model_state, opt_state, mesh, micro_batches: int, rows: 
 def compile_steps(config, mesh) -> list[CompiledStep]:
     """The RL update and the SFT step of `config` compiled for `mesh` (abstract arrays only)."""
     model_state, opt_state = abstract_policy(config, mesh)
-    batch_config = BatchConfig.from_config(config, builders.data_parallel(mesh))
-    loss_config = LossConfig.from_config(config)
+    batch_config = resolve.batch_config(config, builders.data_parallel(mesh))
+    loss_config = resolve.loss_config(config)
     chunk = config.rl.logprob_chunk_size
     temperature = jnp.float32(config.rollout.temperature)
     steps = [compile_grpo_update(model_state, opt_state, mesh, batch_config.num_micro_batches, batch_config.rows,
@@ -151,7 +152,7 @@ def compile_steps(config, mesh) -> list[CompiledStep]:
 
 
 def report(config, mesh, steps: list[CompiledStep]) -> str:
-    model_config = Qwen3Config.from_config(config)
+    model_config = resolve.model_config(config)
     plan = memory_plan(model_config, mesh, rules=builders.mesh_rules(config), preset=config.model.preset,
                        grad_dtype="float32")
     mesh_text = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())

@@ -9,9 +9,9 @@ here, so a config field is read in one place and the production path is the one 
         async with rollout_resources(config, targets, engine=engine) as resources:
             ...                                        # tool executor, scorer, generators, scheduler
 
-The settings dataclasses read their own sections (`LoopConfig.from_config`, `RocConfig.from_config`,
-`LossConfig.from_config`, `OptimizerConfig.from_config`, `BatchConfig.from_config`,
-`RLSettings.from_config`); their errors name the config field.
+The libraries' settings (the model's shape, the loop, RoC, the loss, the optimizer, the batches, the
+tool environment) are resolved from the config by `rstar_jax.config.resolve`; its errors name the
+config field.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from rstar_jax.agent.reward import make_scorer
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer, load_tokenizer
 from rstar_jax.agent.tool_calls import format_observation
+from rstar_jax.config import resolve
 from rstar_jax.data.datasets import (
     DataError,
     LoadReport,
@@ -54,7 +55,6 @@ from rstar_jax.engine.local_server import LocalServer
 from rstar_jax.rollout.loop import Scorer, ToolExecutor
 from rstar_jax.rollout.protocol import Scheduler
 from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler
-from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.rollout.sglang import SGLangGenerator
 from rstar_jax.train.checkpoint import Checkpointer, CheckpointError, PolicySource, stored_config
 from rstar_jax.app.kv_pool import CONFIG_NAMES, kv_pool_tokens
@@ -143,7 +143,7 @@ def build_policy(config, source: PolicySource | None = None) -> tuple[Qwen3, Mes
             model = load_pretrained(stored_hf, mesh=mesh, rules=rules, dtype=config.model.dtype,
                                     param_dtype=config.model.param_dtype)
         else:
-            model = create_sharded_model(Qwen3Config.from_config(config, stored), mesh, rules, seed=config.seed)
+            model = create_sharded_model(resolve.model_config(config, stored), mesh, rules, seed=config.seed)
         with Checkpointer(source.path, async_save=False) as ckpt:
             try:
                 ckpt.restore(source.step, model=model)
@@ -154,7 +154,7 @@ def build_policy(config, source: PolicySource | None = None) -> tuple[Qwen3, Mes
     if hf_path:
         return load_pretrained(hf_path, mesh=mesh, rules=rules, dtype=config.model.dtype,
                                param_dtype=config.model.param_dtype), mesh
-    return create_sharded_model(Qwen3Config.from_config(config), mesh, rules, seed=config.seed), mesh
+    return create_sharded_model(resolve.model_config(config), mesh, rules, seed=config.seed), mesh
 
 
 def serving_policy(model: str, *, tp_size: int = 1, seed: int = 0):
@@ -249,7 +249,7 @@ def prepare_data(config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     loop renders them), else the configured files."""
     if not config.data.synthetic.enabled:
         return tuple(config.data.train_files), tuple(config.sft.train_files)
-    r, syn, env = config.rollout, config.data.synthetic, ToolEnv.from_config(config)
+    r, syn, env = config.rollout, config.data.synthetic, resolve.tool_env(config)
 
     def observation(result) -> str:  # the sandbox's stream cut, then the rollout loop's rendering
         if env.stream_cap_chars:
@@ -387,7 +387,7 @@ def sandbox(config) -> Iterator[list[str]]:
     if not s.launch_local:
         yield list(s.targets)
         return
-    env = ToolEnv.from_config(config)
+    env = resolve.tool_env(config)
     fusion = s.api == "sandbox_fusion"
     with LocalSandbox(workers=s.workers, memory_mb=env.memory_mb, timeout_s=env.timeout_s,
                       verify_timeout_s=s.verify_timeout_s, http_port=0 if fusion else None,
@@ -454,7 +454,7 @@ class RolloutResources:
 async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine | None = None,
                             urls: Sequence[str] = (), vocab_size: int | None = None) -> AsyncIterator[RolloutResources]:
     """The tool executor for `targets` (`sandbox.api`: a gRPC SandboxClient or a SandboxFusion
-    executor; its per-call defaults: the tool environment, `ToolEnv.from_config`), the scorer
+    executor; the tool environment travels with each call, `LoopConfig.tool_env`), the scorer
     (`sandbox.verify_via`, one timeout `sandbox.verify_timeout_s`) and the generators: `engine`, or
     SGLang clients for `urls` behind `rollout.scheduler`. Everything belongs to the running event
     loop and is closed on exit. `vocab_size`: the policy's, which the servers' input ids are checked

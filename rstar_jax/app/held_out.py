@@ -20,6 +20,7 @@ import jax
 
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
+from rstar_jax.config import resolve
 from rstar_jax.data.datasets import detect_format
 from rstar_jax.errors import ConfigError
 from rstar_jax.evaluation.filter_hard import SUMMARY_FILE, WORK_DIR
@@ -133,7 +134,7 @@ def run_evaluation(config) -> dict:
               f"{load_report.examples_of_skipped[:3]}", flush=True)
     source = policy_source(hf_path=config.model.hf_path, checkpoint_dir=e.checkpoint_dir,
                            checkpoint_step=e.checkpoint_step, generator_urls=e.generator_urls, prefix="eval")
-    loop = LoopConfig.from_config(config, "eval")
+    loop = resolve.loop_config(config, "eval")
     store = SampleStore(run_dir, settings_of(config, loop, k=e.k, files=files, policy=source.identity()))
     t0 = time.perf_counter()
     groups = sample_questions(config, questions, k=e.k, loop=loop, store=store, source=source, desc="eval")
@@ -175,7 +176,7 @@ class HeldOutEvaluation:
         files = builders.held_out_files(config, files=config.data.eval_files)
         questions, _ = builders.questions(config, files, field="data.eval_files")
         check_prompt_lengths(questions, tokenizer, template, config.rollout.max_prompt_length)
-        return cls(config, questions, files, LoopConfig.from_config(config, "eval"), tokenizer, template)
+        return cls(config, questions, files, resolve.loop_config(config, "eval"), tokenizer, template)
 
     async def __call__(self, step: int) -> dict[str, float]:
         """Under several processes each samples its contiguous share of the questions into its own
@@ -209,7 +210,7 @@ def filter_hard_loop(config) -> LoopConfig:
     turns where set (stage 3's config: stage 2's)."""
     f = config.filter_hard
     chosen = {name: f[name] for name in ("temperature", "max_turns") if f[name] is not None}
-    return dataclasses.replace(LoopConfig.from_config(config), **chosen)
+    return dataclasses.replace(resolve.loop_config(config), **chosen)
 
 
 def run_filter_hard(config) -> dict:

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
+from rstar_jax.config import resolve
 from rstar_jax.data.datasets import DataError, PromptIterator
 from rstar_jax.errors import ConfigError
 from rstar_jax.app import builders
@@ -27,8 +28,8 @@ from rstar_jax.train.checkpoint import Checkpointer, checkpoints_directory
 from rstar_jax.app.held_out import HeldOutEvaluation
 from rstar_jax.train.loop import RLLoop, is_rl_line, sft_loop
 from rstar_jax.train.metrics import MetricsWriter
-from rstar_jax.train.step import OptimizerConfig, lr_schedule, make_optimizer
-from rstar_jax.train.trainer import RLSettings, RLTrainer
+from rstar_jax.train.step import lr_schedule, make_optimizer
+from rstar_jax.train.trainer import RLTrainer
 
 
 def run_stage(config) -> dict:
@@ -80,7 +81,7 @@ def run_sft(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempl
     `checkpoint.every_steps` steps and at the end, and resumes from the latest save."""
     batches = builders.sft_batches(config, tokenizer, template, conversation_files, mesh)
     total = config.sft.epochs * batches.steps_per_epoch()
-    optimizer = make_optimizer(model, OptimizerConfig.for_sft(config, total))
+    optimizer = make_optimizer(model, resolve.sft_optimizer_config(config, total))
     start = 0
     if checkpointer is not None and checkpointer.latest_step() is not None:
         start = checkpointer.restore(model=model, optimizer=optimizer).step
@@ -150,11 +151,11 @@ def _restore(config, model, optimizer, tokenizer: Tokenizer, train_files, metric
 def run_rl(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTemplate, train_files,
            metrics: MetricsWriter, checkpointer: Checkpointer, targets: list[str]) -> dict:
     """RL against the sandboxes at `targets` (`builders.sandbox`, checked by `builders.check_sandboxes`)."""
-    optimizer_config = OptimizerConfig.from_config(config)
+    optimizer_config = resolve.optimizer_config(config)
     optimizer = make_optimizer(model, optimizer_config)
     begin = _restore(config, model, optimizer, tokenizer, train_files, metrics, checkpointer)
     start, prompts = begin.step, begin.prompts
-    settings = RLSettings.from_config(config, builders.data_parallel(mesh))
+    settings = resolve.rl_settings(config, builders.data_parallel(mesh))
     evaluation = HeldOutEvaluation.from_config(config, tokenizer, template) if config.train.eval_every else None
     schedule = lr_schedule(optimizer_config)
 

@@ -36,21 +36,19 @@ from typing import Any, TypeVar
 
 import ml_collections
 
-# The libraries' settings types and enums, from their jax-free modules: checking a config imports no
-# JAX (tests/test_config_check.py), and the rules live once, with the types that hold the values.
+# The libraries' enums, from their jax-free modules, and their settings types through `resolve`:
+# checking a config imports no JAX (tests/test_config_check.py), and each rule lives once, with the
+# type that holds the value.
 from rstar_jax.agent.conversation import CONVERSATION_TEMPLATES
 from rstar_jax.agent.reward import SCORER_MODES
 from rstar_jax.agent.template import TEMPLATE_STYLES
+from rstar_jax.config import resolve
 from rstar_jax.data.synthetic import BEHAVIOURS, GENERATORS
 from rstar_jax.engine.weight_transfer import BACKENDS as WEIGHT_SYNC_BACKENDS
 from rstar_jax.errors import ConfigError, UserError  # noqa: F401  (re-exported)
-from rstar_jax.model.config import DTYPE_NAMES, MESH_AXES, Qwen3Config
-from rstar_jax.rl.roc import RocConfig
-from rstar_jax.rl.settings import LossConfig
-from rstar_jax.rollout.loop import LoopConfig
+from rstar_jax.model.config import DTYPE_NAMES, MESH_AXES
 from rstar_jax.rollout.scheduler import RESERVATIONS
-from rstar_jax.rollout.tool_env import ToolEnv
-from rstar_jax.train.settings import SYNC_METHODS, SYNC_MODES, BatchConfig, OptimizerConfig
+from rstar_jax.train.settings import SYNC_METHODS, SYNC_MODES
 
 T = TypeVar("T")
 
@@ -61,7 +59,7 @@ DEFAULT_CONFIG = REPO_CONFIGS / "tiny.py"
 BASE_CONFIG = REPO_CONFIGS / "base.py"
 
 # The enums of fields that no settings dataclass checks; the others (RoC variant, observation
-# style, LR schedule, ...) are checked by building the dataclass that reads them (`from_config`).
+# style, LR schedule, ...) are checked by building the dataclass that holds them (`resolve`).
 MODES = ("rl", "sft", "eval")
 TOKENIZER_KINDS = ("byte", "hf")
 DATA_FORMATS = ("auto", "json", "jsonl", "parquet")
@@ -177,7 +175,7 @@ class Checker:
 
     def build(self, make: Callable[[], T]) -> T | None:
         """`make()`, or None after recording its ConfigError's problems: how a settings dataclass's
-        own checks (`SomeConfig.from_config(config)`, built with `errors.from_fields`) join these."""
+        own checks (`resolve.loss_config(config)`, built with `errors.from_fields`) join these."""
         try:
             return make()
         except TypeError:
@@ -425,7 +423,7 @@ def _check_values(check: Checker) -> None:
         check.require(_is_int(config.seed), "seed", f"must be an integer, got {config.seed!r}")
     check.non_empty("stage", "a non-empty label")
 
-    model = check.build(lambda: Qwen3Config.from_config(config)) if check.ok("model") else None
+    model = check.build(lambda: resolve.model_config(config)) if check.ok("model") else None
     _check_mesh_fields(check)
     check.enum("tokenizer.kind", TOKENIZER_KINDS)
 
@@ -471,8 +469,8 @@ def _check_values(check: Checker) -> None:
     check.enum("rollout.template", TEMPLATE_STYLES)
     # Turns, budget, sampling and the tool protocol: the rollout loop's own checks, for RL's
     # settings and for the evaluation protocol's.
-    check.build(lambda: LoopConfig.from_config(config))
-    check.build(lambda: LoopConfig.from_config(config, "eval"))
+    check.build(lambda: resolve.loop_config(config))
+    check.build(lambda: resolve.loop_config(config, "eval"))
     for field in ("rollouts_per_prompt", "max_prompt_length", "max_concurrency", "engine.slots", "engine.max_length",
                   "engine.page_size"):
         check.positive_int(f"rollout.{field}")
@@ -510,8 +508,8 @@ def _check_values(check: Checker) -> None:
 
     # RL: RoC's and the loss's own checks, then what spans fields.
     rl = config.rl
-    check.build(lambda: RocConfig.from_config(config))
-    check.build(lambda: LossConfig.from_config(config))
+    check.build(lambda: resolve.roc_config(config))
+    check.build(lambda: resolve.loss_config(config))
     # Equal sizes are allowed: G of G is plain GRPO with tools, the paper's RoC ablation (§5.3).
     if check.ok("rl.group_size", "rollout.rollouts_per_prompt"):
         check.require(rl.group_size <= r.rollouts_per_prompt, "rl.group_size",
@@ -525,12 +523,12 @@ def _check_values(check: Checker) -> None:
         if check.require(rl.micro_batch_tokens >= sequence, "rl.micro_batch_tokens",
                          f"must be >= rollout.max_prompt_length + rollout.response_budget = {sequence} (one whole "
                          f"trajectory per micro-batch at least), got {rl.micro_batch_tokens}"):
-            check.build(lambda: BatchConfig.from_config(config))
+            check.build(lambda: resolve.batch_config(config))
     check.positive_int("sft.micro_batch_tokens")
 
     # Optimiser and schedule (AdamW's own checks), steps and evaluations.
     if check.positive_int("train.steps"):
-        check.build(lambda: OptimizerConfig.from_config(config))
+        check.build(lambda: resolve.optimizer_config(config))
     if check.positive_int("train.eval_every", allow_zero=True) and config.train.eval_every and config.mode == "rl":
         # RL's held-out evaluation samples at config.eval's settings on the training engine.
         if r.backend == "jax" and check.ok("rollout.max_prompt_length", "eval.response_budget",
@@ -545,7 +543,7 @@ def _check_values(check: Checker) -> None:
     # SFT.
     check.positive_int("sft.epochs")
     check.range("sft.warmup_ratio", 0.0, 1.0)
-    check.build(lambda: OptimizerConfig.for_sft(config, total_steps=1 << 30))
+    check.build(lambda: resolve.sft_optimizer_config(config, 1 << 30))
     check.positive_int("sft.batch_size")
     if check.positive_int("sft.max_length") and model is not None:
         check.require(config.sft.max_length <= model.max_position_embeddings, "sft.max_length",
@@ -576,7 +574,7 @@ def _check_values(check: Checker) -> None:
     check.require(not bad, "sandbox.preimport_modules",
                   f"{bad[0] if bad else ''!r} is not a module name (dotted Python identifiers, e.g. 'scipy.stats')")
     check.range("sandbox.verify_timeout_s", 0.0, None, low_open=True)
-    env = check.build(lambda: ToolEnv.from_config(config))  # sandbox.preset and the fields that override it
+    env = check.build(lambda: resolve.tool_env(config))  # sandbox.preset and the fields that override it
     if check.enum("sandbox.verify_via", SCORER_MODES) and fusion:
         check.require(s.verify_via == "local", "sandbox.verify_via",
                       "must be 'local' with sandbox.api='sandbox_fusion': SandboxFusion has no Verify")

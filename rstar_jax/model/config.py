@@ -14,7 +14,6 @@ import ml_dtypes  # noqa: F401  (registers "bfloat16" with numpy, as importing j
 import numpy as np
 from numpy.typing import DTypeLike
 
-from rstar_jax.errors import ConfigError
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")  # what a dtype may be named in configs and exports
 
@@ -149,38 +148,6 @@ class Qwen3Config:
         if key not in presets:
             raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(presets)}")
         return presets[key](**kw)
-
-    @classmethod
-    def from_config(cls, config, stored: dict | None = None) -> "Qwen3Config":
-        """The shape `config.model` describes: its preset plus the non-None overrides, with its compute
-        settings. `stored`: a checkpoint's stored run config, whose model shape (preset, overrides,
-        parameter dtype) wins. A ConfigError names the config field of an invalid value."""
-        m = config.model
-        preset, param_dtype = m.preset, m.param_dtype
-        overrides = {k: v for k, v in m.overrides.items() if v is not None}
-        where = "config.model"
-        saved = (stored or {}).get("model")
-        if isinstance(saved, dict):
-            where = "the checkpoint's stored config.model"
-            preset, param_dtype = saved.get("preset", preset), saved.get("param_dtype", param_dtype)
-            if isinstance(saved.get("overrides"), dict):  # the stored shape, not a mix with this config's
-                overrides = {k: v for k, v in saved["overrides"].items() if v is not None}
-        try:
-            return cls.preset(preset, dtype=m.dtype, param_dtype=param_dtype, remat_policy=m.remat_policy,
-                              attention_impl=m.attention_impl, **overrides)
-        except TypeError as e:
-            raise ConfigError(f"{where}.overrides: {e}") from None
-        except ValueError as e:
-            message = " ".join(str(e).split())
-            if message.startswith("unknown model preset"):
-                raise ConfigError(f"{where}.preset: {message}") from None
-            name, _, rest = message.removeprefix("Qwen3Config.").partition(" ")
-            if message.startswith("Qwen3Config.") and name in ("dtype", "param_dtype", "remat_policy",
-                                                               "attention_impl"):
-                raise ConfigError(f"{where}.{name}: {rest}") from None
-            if message.startswith("Qwen3Config.") and name in m.overrides:
-                raise ConfigError(f"{where}.overrides.{name}: {rest}") from None
-            raise ConfigError(f"{where}: {message}") from None
 
     # -- Hugging Face config.json ----------------------------------------------------------------
     @classmethod

@@ -32,7 +32,6 @@ import dataclasses
 
 import numpy as np
 
-from rstar_jax.errors import from_paths
 
 VARIANTS = ("paper", "release")
 ZERO_ADVANTAGE = ("keep", "drop")
@@ -62,15 +61,6 @@ class RocConfig:
                              f"got {self.min_negatives}")
         if self.zero_advantage not in ZERO_ADVANTAGE:
             raise ValueError(f"RocConfig.zero_advantage must be one of {ZERO_ADVANTAGE}, got {self.zero_advantage!r}")
-
-    @classmethod
-    def from_config(cls, config) -> "RocConfig":
-        """From `config.rl` and the run's seed; a ConfigError names the config field of an invalid value."""
-        return from_paths(cls, config, {"group_size": "rl.group_size", "variant": "rl.roc_variant",
-                                        "epsilon": "rl.roc_epsilon", "min_per_class": "rl.roc_min_per_class",
-                                        "min_negatives": "rl.roc_min_negatives",
-                                        "zero_advantage": "rl.roc_zero_advantage", "seed": "seed"})
-
 
 # -- penalties ------------------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 
-from rstar_jax.errors import from_paths
 from rstar_jax.rl.registry import check_advantage_estimator, check_policy_loss
 
 
@@ -44,10 +43,3 @@ class LossConfig:
             except ValueError as e:
                 raise ValueError(f"LossConfig.{field}: {e}") from None
 
-    @classmethod
-    def from_config(cls, config) -> "LossConfig":
-        """From `config.rl`; a ConfigError names the config field of an invalid value."""
-        return from_paths(cls, config, {"clip_low": "rl.clip_low", "clip_high": "rl.clip_high",
-                                        "dual_clip": "rl.dual_clip", "entropy_coef": "rl.entropy_coef",
-                                        "policy_loss": "rl.policy_loss",
-                                        "advantage_estimator": "rl.advantage_estimator"})

@@ -37,7 +37,6 @@ from rstar_jax.agent.stats import PARSE_ERROR, count_answer_tags, is_tool_error
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
 from rstar_jax.agent.tool_calls import ToolCallError, format_observation, parse_tool_calls
-from rstar_jax.errors import from_paths
 from rstar_jax.rollout.protocol import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -108,21 +107,6 @@ class LoopConfig:
             raise ValueError(f"LoopConfig.top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.max_abort_resumes < 0:
             raise ValueError(f"LoopConfig.max_abort_resumes must be >= 0, got {self.max_abort_resumes}")
-
-    @classmethod
-    def from_config(cls, config, sampling: str = "rollout") -> "LoopConfig":
-        """Turns, budget and sampling from `config.<sampling>` ("rollout" for RL, "eval" for the
-        evaluation protocol), the tool protocol from `config.rollout`, the tool environment from
-        `config.sandbox.preset` and the fields that override it (`ToolEnv.from_config`). A ConfigError
-        names the config field of an invalid value."""
-        paths = {name: f"{sampling}.{name}" for name in ("max_turns", "response_budget", "temperature", "top_p",
-                                                          "top_k")}
-        paths.update({"tool_name": "rollout.tool_name", "max_calls_per_turn": "rollout.max_tool_calls_per_turn",
-                      "tool_env": "sandbox.preset", "use_tools": "rollout.tools", "seed": "seed",
-                      "max_abort_resumes": "rollout.max_abort_resumes"})
-        return from_paths(cls, config, paths, seed=config.seed if config.rollout.seeded_sampling else None,
-                          tool_env=ToolEnv.from_config(config))
-
 
 _rid_counter = itertools.count()
 

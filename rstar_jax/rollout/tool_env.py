@@ -14,9 +14,10 @@ Two presets:
   observations up to 4096 characters, and a parser that runs string-encoded arguments and names
   what is wrong with a call.
 
-Each field below is a config field whose None means "the preset's"; a value set explicitly wins.
-`ToolEnv.from_config` resolves them in one place; RL, evaluation and the synthetic SFT data all read
-the resolved values, so the policy sees one environment from SFT to evaluation.
+Each field below is a config field of the same name (`sandbox.*`, `rollout.observation_*`,
+`rollout.tool_call_parsing`) whose None means "the preset's"; a value set explicitly wins.
+`rstar_jax.config.resolve.tool_env` resolves them in one place; RL, evaluation and the synthetic SFT
+data all take that one object, so the policy sees one environment from SFT to evaluation.
 """
 
 from __future__ import annotations
@@ -25,23 +26,9 @@ import dataclasses
 import math
 
 from rstar_jax.agent.tool_calls import CALL_PARSING, OBSERVATION_STYLES
-from rstar_jax.errors import ConfigError, config_value, from_fields
 
 ERROR_FORMATS = ("traceback", "release")  # sandbox_service.harness
 MAX_STREAM_CAP_CHARS = 1 << 20  # the sandbox's bound (sandbox_service.status)
-
-# ToolEnv field -> the config field that sets it (None there: the preset's value).
-FIELDS = {
-    "timeout_s": "sandbox.timeout_s",
-    "memory_mb": "sandbox.memory_mb",
-    "memory_address_space": "sandbox.memory_address_space",
-    "stream_cap_chars": "sandbox.stream_cap_chars",
-    "error_format": "sandbox.error_format",
-    "preimports": "sandbox.preimports",
-    "observation_style": "rollout.observation_style",
-    "observation_max_chars": "rollout.observation_max_chars",
-    "tool_call_parsing": "rollout.tool_call_parsing",
-}
 
 PRESETS = {
     "release": {
@@ -116,19 +103,6 @@ class ToolEnv:
     def preset_defaults(cls, preset: str, **overrides) -> "ToolEnv":
         """The preset's environment, with `overrides` (field=value) in place of its values."""
         return cls(preset=preset, **{**PRESETS[preset], **overrides})
-
-    @classmethod
-    def from_config(cls, config) -> "ToolEnv":
-        """`config.sandbox.preset`'s values, each replaced by its config field where that is set.
-        A ConfigError names the field of an invalid value."""
-        preset = config.sandbox.preset
-        if preset not in PRESETS:
-            raise ConfigError(f"config.sandbox.preset: must be one of {tuple(PRESETS)}, got {preset!r}")
-        fields = {"preset": ("sandbox.preset", preset)}
-        for name, path in FIELDS.items():
-            value = config_value(config, path)
-            fields[name] = (path, PRESETS[preset][name] if value is None else value)
-        return from_fields(cls, fields)
 
     def sandbox_options(self) -> dict:
         """The per-call options of `sandbox_service.client.SandboxClient.execute`."""

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from rstar_jax.errors import from_paths
+from rstar_jax.rl.roc import RocConfig
+from rstar_jax.rl.settings import LossConfig
+from rstar_jax.rollout.loop import LoopConfig
 from rstar_jax.train.batching import bucket_length  # numpy only
 
 # `config.weight_sync.mode` and `.method`, as `train.weight_sync` implements them.
@@ -53,27 +55,6 @@ class OptimizerConfig:
         if self.grad_clip < 0:
             raise ValueError(f"OptimizerConfig.grad_clip must be >= 0, got {self.grad_clip}")
 
-    @classmethod
-    def from_config(cls, config) -> "OptimizerConfig":
-        """The RL optimizer: `config.optim` over `train.steps`; a ConfigError names an invalid field."""
-        return from_paths(cls, config, {**ADAMW_PATHS, "lr": "optim.lr", "warmup_steps": "optim.warmup_steps",
-                                        "schedule": "optim.schedule", "total_steps": "train.steps",
-                                        "decay_ratio": "optim.decay_ratio"})
-
-    @classmethod
-    def for_sft(cls, config, total_steps: int) -> "OptimizerConfig":
-        """The SFT optimizer: `config.sft`'s rate and schedule over `total_steps`, warm-up as a
-        fraction of them (a schedule too short for its warm-up stays constant), AdamW from `config.optim`."""
-        warmup = max(0, int(round(config.sft.warmup_ratio * total_steps)))
-        return from_paths(cls, config, {**ADAMW_PATHS, "lr": "sft.lr", "warmup_steps": "sft.warmup_ratio",
-                                        "schedule": "sft.schedule", "total_steps": "sft.epochs",
-                                        "decay_ratio": "sft.decay_ratio"},
-                          warmup_steps=warmup, total_steps=total_steps,
-                          schedule=config.sft.schedule if total_steps > warmup else "constant")
-
-
-ADAMW_PATHS = {"b1": "optim.b1", "b2": "optim.b2", "weight_decay": "optim.weight_decay", "grad_clip": "optim.grad_clip"}
-
 
 @dataclasses.dataclass(frozen=True)
 class BatchConfig:
@@ -93,22 +74,24 @@ class BatchConfig:
         if self.num_micro_batches is not None and self.num_micro_batches < 1:
             raise ValueError(f"BatchConfig.num_micro_batches must be >= 1 (or None), got {self.num_micro_batches}")
 
-    @classmethod
-    def from_config(cls, config, data_parallel: int = 1) -> "BatchConfig":
-        """`rl.micro_batch_tokens` per data-parallel shard (the release's ppo_max_token_len_per_gpu):
-        each micro-batch holds `data_parallel` times that many rows. The micro-batch count is fixed
-        at what the most RoC can keep (num_prompts_per_step x group_size trajectories, one per row)."""
-        r, rl = config.rollout, config.rl
-        row_length = row_length_for(r.max_prompt_length, r.response_budget)
-        # A row is the longest sequence rounded up to 128 tokens: a budget of at least one sequence
-        # (what validation asks for) holds at least one row.
-        per_shard = max(1, rl.micro_batch_tokens // row_length)
-        rows = data_parallel * per_shard
-        most_kept = config.data.num_prompts_per_step * rl.group_size
-        return cls(rows=rows, row_length=row_length, packed=True, num_micro_batches=-(-most_kept // rows),
-                   use_sampler_logprobs=rl.use_sampler_logprobs)
-
-
 def row_length_for(max_prompt_length: int, response_budget: int, multiple: int = 128) -> int:
     """A row fits the longest possible sequence (inputs are one token shorter than the sequence)."""
     return bucket_length(max_prompt_length + response_budget - 1, multiple)
+
+
+@dataclasses.dataclass(frozen=True)
+class RLSettings:
+    rollouts_per_prompt: int  # 2G
+    loop: LoopConfig
+    roc: RocConfig
+    loss: LossConfig
+    batch: BatchConfig
+    chunk_size: int = 1024
+    max_concurrency: int = 64
+
+    def __post_init__(self):
+        if self.rollouts_per_prompt < self.roc.group_size:
+            raise ValueError(f"RLSettings.rollouts_per_prompt ({self.rollouts_per_prompt}) must be >= RoC's "
+                             f"group_size ({self.roc.group_size})")
+        if not self.loop.temperature > 0:
+            raise ValueError(f"RLSettings: RL samples at a temperature > 0, got {self.loop.temperature}")

@@ -20,7 +20,7 @@ from rstar_jax.rl.logprobs import token_logprobs
 from rstar_jax.rl.loss import LossConfig, combine_metrics, empty_metrics
 from rstar_jax.rl.registry import get_policy_loss
 # Re-exported: defined apart so configs are checked without jax.
-from rstar_jax.train.settings import ADAMW_PATHS, LR_SCHEDULES, OptimizerConfig  # noqa: F401
+from rstar_jax.train.settings import LR_SCHEDULES, OptimizerConfig  # noqa: F401
 
 
 def lr_schedule(config: OptimizerConfig) -> optax.Schedule:

@@ -26,42 +26,17 @@ import numpy as np
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
 from rstar_jax.parallel import multihost
-from rstar_jax.rl.loss import LossConfig, finalize_metrics
-from rstar_jax.rl.roc import RocConfig
-from rstar_jax.rollout.loop import LoopConfig, Scorer, ToolExecutor
+from rstar_jax.rl.loss import finalize_metrics
+from rstar_jax.rollout.loop import Scorer, ToolExecutor
 from rstar_jax.rollout.orchestrator import Orchestrator, trajectory_runner
 from rstar_jax.rollout.protocol import Generator, Scheduler
 from rstar_jax.rollout.stats import rollout_stats
 from rstar_jax.rollout.trajectory import Trajectory, pack_trajectories, unpack_trajectories
 from rstar_jax.train.metrics import flops_per_token, peak_flops_for, throughput
-from rstar_jax.train.rl_batch import BatchConfig, PreparedBatch, prepare_batch
+from rstar_jax.train.rl_batch import PreparedBatch, prepare_batch
+from rstar_jax.train.settings import RLSettings
 from rstar_jax.train.step import compute_logprobs, place_batch, train_step
 from rstar_jax.train.weight_sync import WeightSync
-
-
-@dataclasses.dataclass(frozen=True)
-class RLSettings:
-    rollouts_per_prompt: int  # 2G
-    loop: LoopConfig
-    roc: RocConfig
-    loss: LossConfig
-    batch: BatchConfig
-    chunk_size: int = 1024
-    max_concurrency: int = 64
-
-    def __post_init__(self):
-        if self.rollouts_per_prompt < self.roc.group_size:
-            raise ValueError(f"RLSettings.rollouts_per_prompt ({self.rollouts_per_prompt}) must be >= RoC's "
-                             f"group_size ({self.roc.group_size})")
-        if not self.loop.temperature > 0:
-            raise ValueError(f"RLSettings: RL samples at a temperature > 0, got {self.loop.temperature}")
-
-    @classmethod
-    def from_config(cls, config, data_parallel: int = 1) -> "RLSettings":
-        return cls(rollouts_per_prompt=config.rollout.rollouts_per_prompt, loop=LoopConfig.from_config(config),
-                   roc=RocConfig.from_config(config), loss=LossConfig.from_config(config),
-                   batch=BatchConfig.from_config(config, data_parallel), chunk_size=config.rl.logprob_chunk_size,
-                   max_concurrency=config.rollout.max_concurrency)
 
 
 class RLTrainer:

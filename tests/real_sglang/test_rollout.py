@@ -17,10 +17,11 @@ import pytest
 
 from rstar_jax.agent.reward import make_scorer
 from rstar_jax.config import REPO_CONFIGS, load_config_file
+from rstar_jax.config import resolve
 from rstar_jax.data.synthetic import generate_problems
 from rstar_jax.model.hf import load_pretrained
 from rstar_jax.engine.local_server import LocalServer
-from rstar_jax.rollout.loop import LoopConfig, run_trajectory
+from rstar_jax.rollout.loop import run_trajectory
 from rstar_jax.rollout.orchestrator import Orchestrator
 from rstar_jax.rollout.scheduler import KvScheduler
 from rstar_jax.rollout.sglang import SGLangGenerator
@@ -43,7 +44,7 @@ def policy_dir(tiny_run_dir):
 def setup():
     config = load_config_file(REPO_CONFIGS / "tiny.py")
     config.data.synthetic.kinds = (KIND,)
-    return config, LoopConfig.from_config(config), builders.tokenizer(config), builders.template(config)
+    return config, resolve.loop_config(config), builders.tokenizer(config), builders.template(config)
 
 
 def _collect(generators, setup, problems, samples, *, scheduler=None, during=None):
