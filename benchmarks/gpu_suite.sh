@@ -113,7 +113,7 @@ part train-step 240 "$PY" benchmarks/train_step.py "${TRAIN[@]}"
 part decode 200 "$PY" benchmarks/decode_throughput.py "${DECODE[@]}"
 part logprob-head-memory 90 "$PY" benchmarks/logprob_head_memory.py "${HEAD[@]}"
 part ceilings 60 "$PY" benchmarks/ceilings.py
-GPU_TESTS=$(grep -l "pytest.mark.gpu" tests/test_*.py | tr '\n' ' ')
+GPU_TESTS=$(grep -rl --include="test_*.py" "pytest.mark.gpu" tests | tr '\n' ' ')
 part gpu-tests 120 env JAX_PLATFORMS=cuda,cpu "$PY" -m pytest -q -p no:cacheprovider -m gpu $GPU_TESTS
 
 if (( PROFILE )); then

@@ -10,7 +10,7 @@ Qwen3's 26 added tokens with the ids and `special` flags of Qwen3's release `tok
 revision, with `reasoning_content` and `enable_thinking` (not the Qwen3-2507 templates).
 
 Both `rstar_jax.agent.tokenizer.HFTokenizer(dir)` and `transformers.AutoTokenizer.from_pretrained(dir)`
-load the directory. `tests/test_qwen3_vocab.py` checks it against ids published for the real
+load the directory. `tests/agent/test_qwen3_vocab.py` checks it against ids published for the real
 tokenizer.
 """
 

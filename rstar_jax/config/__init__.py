@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 import ml_collections
 
 # The libraries' enums, from their jax-free modules, and their settings types through `resolve`:
-# checking a config imports no JAX (tests/test_config_check.py), and each rule lives once, with the
+# checking a config imports no JAX (tests/config/test_config_check.py), and each rule lives once, with the
 # type that holds the value.
 from rstar_jax.agent.conversation import CONVERSATION_TEMPLATES
 from rstar_jax.agent.reward import SCORER_MODES

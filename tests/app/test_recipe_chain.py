@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from rstar_jax.data.synthetic import prepare_synthetic_data
-from tests.test_sft_conversations import ROWS as GENERAL_SFT_ROWS
+from tests.agent.test_sft_conversations import ROWS as GENERAL_SFT_ROWS
 
 pytestmark = pytest.mark.slow  # six launcher runs
 
@@ -68,7 +68,7 @@ def test_the_readme_chain_from_a_hugging_face_checkpoint(tmp_path):
 
     work = tmp_path / "work"
     (work / "configs").mkdir(parents=True)
-    for path in (pathlib.Path(__file__).resolve().parents[1] / "configs").glob("*.py"):
+    for path in (pathlib.Path(__file__).resolve().parents[2] / "configs").glob("*.py"):
         (work / "configs" / path.name).write_text(path.read_text())
     base = work / "base_model"
     _base_model(base)

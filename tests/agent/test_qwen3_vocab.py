@@ -239,7 +239,7 @@ def test_rl_steps_through_the_launcher_with_qwen3s_full_vocabulary(tmp_path, tok
     data.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": "7"}) + "\n"
                             for a, b in ((3, 4), (5, 2), (1, 6), (2, 5))))
     prompt_len = len(ChatTemplate().prompt_ids(tok, "What is 3 + 4?"))
-    base = pathlib.Path(__file__).resolve().parents[1] / "configs" / "base.py"  # the recipe, not tiny.py
+    base = pathlib.Path(__file__).resolve().parents[2] / "configs" / "base.py"  # the recipe, not tiny.py
     args = [f"--config={base}", f"--config.run_dir={run}", f"--config.model.hf_path={model_dir}",
             "--config.tokenizer.kind=hf",
             f"--config.tokenizer.path={qwen3_tokenizer_dir}", f"--config.data.train_files=('{data}',)",

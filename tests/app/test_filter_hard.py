@@ -10,7 +10,7 @@ from rstar_jax.config import REPO_CONFIGS, ConfigError, check_filter_hard, load_
 from rstar_jax.evaluation import EvalError, split_by_solved, write_rows
 from rstar_jax.app.held_out import filter_hard_loop, run_filter_hard
 from rstar_jax.model.hf import save_pretrained
-from tests.test_evaluate import TINY, _env, answering_model, config_from_flags
+from tests.app.test_evaluate import TINY, _env, answering_model, config_from_flags
 
 
 def test_split_by_solved_drops_only_problems_solved_k_of_k():

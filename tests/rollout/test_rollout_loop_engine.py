@@ -20,7 +20,7 @@ from rstar_jax.engine.jax_engine import JaxEngine
 from rstar_jax.rollout.loop import LoopConfig, run_trajectory
 from rstar_jax.rollout.protocol import GenerateResult
 from rstar_jax.rollout.tool_env import ToolEnv
-from tests.test_rollout_loop import FakeExecutor, call, exact_scorer
+from tests.rollout.test_rollout_loop import FakeExecutor, call, exact_scorer
 
 TOK = ByteTokenizer()
 SCRIPTED_VERSION = -7

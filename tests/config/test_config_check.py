@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.py"))
 HEAVY = ("jax", "flax", "optax", "grpc", "aiohttp", "rstar_jax.engine.jax_engine", "rstar_jax.rollout.sglang",
          "sandbox_service.client")

@@ -17,7 +17,7 @@ from rstar_jax.train.metrics import read_metrics
 
 pytestmark = pytest.mark.slow  # notebooks executed on the default run
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOKS = REPO / "notebooks"
 NAMES = ("training_dynamics", "tool_use", "entropy")
 

@@ -15,7 +15,7 @@ from sandbox_service import status
 from sandbox_service._pb import pb2, pb2_grpc
 from sandbox_service.client import ExecRequest, SandboxClient
 from sandbox_service.launcher import LocalSandbox, free_port
-from tests.test_sandbox_adversarial import processes_in_group, processes_with_uid_in
+from tests.sandbox.test_sandbox_adversarial import processes_in_group, processes_with_uid_in
 
 pytestmark = pytest.mark.slow  # sandbox server subprocesses
 

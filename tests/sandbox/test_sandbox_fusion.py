@@ -471,8 +471,8 @@ def test_a_run_on_sandbox_fusion_executes_its_tool_calls_through_the_http_endpoi
     from rstar_jax.config import REPO_CONFIGS, load_config_file, resolve, validate
     from rstar_jax.rollout.loop import run_trajectory
     from rstar_jax.app import builders
-    from tests.test_builders import health_server
-    from tests.test_rollout_loop import ScriptedGenerator, exact_scorer
+    from tests.app.test_builders import health_server
+    from tests.rollout.test_rollout_loop import ScriptedGenerator, exact_scorer
 
     config = load_config_file(REPO_CONFIGS / "tiny.py")
     config.update_from_flattened_dict({"sandbox.api": "sandbox_fusion", "sandbox.preset": "release",
@@ -508,7 +508,7 @@ def quick_policy(tmp_path_factory):
     """test_evaluate's bigram policy answering at once (no filler), and its questions."""
     from rstar_jax.config import REPO_CONFIGS, load_config_file
     from rstar_jax.model.hf import save_pretrained
-    from tests.test_evaluate import answering_model, write_questions
+    from tests.app.test_evaluate import answering_model, write_questions
 
     root = tmp_path_factory.mktemp("fusion_eval")
     save_pretrained(answering_model(load_config_file(REPO_CONFIGS / "tiny.py")), root / "hf")
@@ -520,7 +520,7 @@ def test_the_evaluate_command_runs_on_sandbox_fusion(quick_policy, tmp_path):
     """`python -m rstar_jax.evaluate` with sandbox.api=sandbox_fusion and launch_local: the command
     validates the settings, starts our server with its HTTP endpoint, waits for /v1/ping, scores with
     the local verifier and reports; a setting SandboxFusion cannot honour stops it before any work."""
-    from tests.test_evaluate import _run_cli
+    from tests.app.test_evaluate import _run_cli
 
     run_dir = tmp_path / "run"
     overrides = [f"run_dir={run_dir}", "mode=eval", f"eval.files=('{quick_policy['questions']}',)", "eval.k=1",

@@ -33,7 +33,7 @@ from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler
 from rstar_jax.rollout.sglang import SGLangGenerator, SGLangRejected, SGLangUnavailable
 from rstar_jax.rollout.stats import record_stats, rollout_stats
 from rstar_jax.rollout.trajectory import STOP_ABORTED, STOP_CONTEXT, STOP_NO_TOOL_CALL, STOP_REJECTED
-from tests.test_rollout_loop import FakeExecutor, call, exact_scorer
+from tests.rollout.test_rollout_loop import FakeExecutor, call, exact_scorer
 
 TOK = ByteTokenizer()
 SCRIPT = [f"Let me compute. {call('print(6*7)')}{IM_END}", f"Two more. {call('print(42)')}{IM_END}",

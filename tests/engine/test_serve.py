@@ -15,7 +15,7 @@ from rstar_jax.rollout.protocol import SamplingParams
 from rstar_jax.engine.local_server import LocalServer
 from rstar_jax.rollout.sglang import SGLangError, SGLangGenerator
 from rstar_jax.train.weight_sync import sync_weights_via_disk
-from tests.test_engine import _reference
+from tests.engine.test_engine import _reference
 
 pytestmark = pytest.mark.slow  # a `rstar_jax.serve` subprocess
 

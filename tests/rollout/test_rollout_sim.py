@@ -12,7 +12,7 @@ import pytest
 from rstar_jax.rollout.protocol import Generator, SamplingParams
 from rstar_jax.rollout.scheduler import KvScheduler
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "rollout_sim.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "rollout_sim.py"
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from rstar_jax.config import resolve
 from rstar_jax.data.synthetic import generate_problems, sft_conversation
 from rstar_jax.rollout.loop import run_trajectory
 from rstar_jax.rollout.tool_env import ToolEnv
-from tests.test_rollout_loop import Result, ScriptedGenerator, exact_scorer
+from tests.rollout.test_rollout_loop import Result, ScriptedGenerator, exact_scorer
 
 TOOL = "python_code_with_standard_io"
 RELEASE = ToolEnv.preset_defaults("release")

@@ -18,7 +18,7 @@ from rstar_jax.rollout.loop import LoopConfig, run_trajectory  # noqa: E402
 from rstar_jax.rollout.orchestrator import Orchestrator  # noqa: E402
 from rstar_jax.rollout.tool_env import ToolEnv  # noqa: E402
 from rstar_jax.rollout.trajectory import STOP_NO_TOOL_CALL  # noqa: E402
-from tests.test_rollout_loop import ScriptedGenerator, exact_scorer  # noqa: E402
+from tests.rollout.test_rollout_loop import ScriptedGenerator, exact_scorer  # noqa: E402
 
 pytestmark = pytest.mark.slow  # a sandbox server subprocess
 

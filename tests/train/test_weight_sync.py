@@ -21,7 +21,7 @@ from rstar_jax.rollout.protocol import SamplingParams
 from rstar_jax.rollout.sglang import SGLangError, SGLangGenerator
 from rstar_jax.engine.weight_transfer import TorchMissing, WeightUpdateGroup
 from rstar_jax.train.weight_sync import DistributedSync, reachable_address
-from tests.test_engine import _reference
+from tests.engine.test_engine import _reference
 
 torch = pytest.importorskip("torch")
 
@@ -258,7 +258,7 @@ TWO_TRAINERS = textwrap.dedent("""
 def test_two_trainer_processes_sync_parameters_that_span_them(server):
     """Under `jax.distributed` every process takes part in the gathers and the writer process is
     rank 0: the server ends with the one-process model's parameters, bit for bit."""
-    from tests.test_multiprocess import run_processes
+    from tests.parallel.test_multiprocess import run_processes
 
     results = run_processes(TWO_TRAINERS, server.url)
     assert [r.returncode for r in results] == [0, 0], [r.stderr[-2000:] for r in results]
