@@ -21,13 +21,14 @@ BASE = {"model", "parallel", "rl", "agent", "data"}
 # What each node may import (besides itself). "rstar_jax" is the root package (its version string).
 ALLOWED = {
     "errors": set(),
+    "lazy": set(),
     "rstar_jax": set(),
     "config": {"errors", "agent", "data", "engine", "model", "rl", "rollout", "train"},
-    "model": {"errors"},
-    "parallel": {"errors", "model"},
-    "rl": {"errors"},
+    "model": {"errors", "lazy"},
+    "parallel": {"errors", "lazy", "model"},
+    "rl": {"errors", "lazy"},
     "agent": {"errors", "sandbox_service"},
-    "data": {"errors", "agent"},
+    "data": {"errors", "lazy", "agent"},
     "rollout": {"errors", "rstar_jax", "agent", "sandbox_service"},
     "engine": {"errors", "rstar_jax", "model", "rollout"},
     "evaluation": {"errors", "agent", "data", "rollout"},

@@ -3,7 +3,7 @@
 Names load lazily (PEP 562) so that `import rstar_jax.model.config` checks a config without jax.
 """
 
-import importlib
+from rstar_jax.lazy import lazy_exports
 
 _EXPORTS = {  # name -> the submodule that defines it
     "Qwen3": "rstar_jax.model.qwen3",
@@ -14,12 +14,4 @@ _EXPORTS = {  # name -> the submodule that defines it
 
 __all__ = ["Qwen3", "Qwen3Config", "PagedKVCache", "dtype_name"]
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

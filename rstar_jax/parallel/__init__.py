@@ -6,7 +6,7 @@ config check imports `MESH_AXES` without jax, and `python -m rstar_jax.parallel.
 module only once.
 """
 
-import importlib
+from rstar_jax.lazy import lazy_exports
 
 _EXPORTS = {  # name -> the submodule that defines it
     "DEFAULT_RULES": "rstar_jax.model.config",
@@ -26,12 +26,4 @@ _EXPORTS = {  # name -> the submodule that defines it
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)

@@ -13,19 +13,20 @@ The names are loaded on first access (PEP 562), so importing the jax-free submod
 
 from __future__ import annotations
 
-import importlib
+from rstar_jax.lazy import lazy_exports
 
 # name -> the submodule that defines it
 _EXPORTS = {
-    "group_advantages": "advantages",
-    "naive_token_logprobs": "logprobs", "token_logprobs": "logprobs",
-    "combine_metrics": "loss", "empty_metrics": "loss", "finalize_metrics": "loss", "grpo_loss": "loss",
-    "grpo_policy_loss": "loss",
-    "LossConfig": "settings",
-    "advantage_estimator_names": "registry", "get_advantage_estimator": "registry", "get_policy_loss": "registry",
-    "policy_loss_names": "registry", "register_advantage_estimator": "registry", "register_policy_loss": "registry",
-    "RocConfig": "roc", "RocResult": "roc", "paper_penalty": "roc", "release_penalty": "roc",
-    "resample_on_correct": "roc",
+    **{name: "rstar_jax.rl.advantages" for name in ("group_advantages",)},
+    **{name: "rstar_jax.rl.logprobs" for name in ("naive_token_logprobs", "token_logprobs")},
+    **{name: "rstar_jax.rl.loss" for name in ("combine_metrics", "empty_metrics", "finalize_metrics", "grpo_loss",
+                                              "grpo_policy_loss")},
+    **{name: "rstar_jax.rl.settings" for name in ("LossConfig",)},
+    **{name: "rstar_jax.rl.registry" for name in ("advantage_estimator_names", "get_advantage_estimator",
+                                                  "get_policy_loss", "policy_loss_names",
+                                                  "register_advantage_estimator", "register_policy_loss")},
+    **{name: "rstar_jax.rl.roc" for name in ("RocConfig", "RocResult", "paper_penalty", "release_penalty",
+                                             "resample_on_correct")},
 }
 
 __all__ = [
@@ -35,16 +36,4 @@ __all__ = [
     "register_advantage_estimator", "get_advantage_estimator", "advantage_estimator_names",
 ]
 
-
-def __getattr__(name: str):
-    try:
-        submodule = _EXPORTS[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(f"{__name__}.{submodule}"), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__():
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
