@@ -54,10 +54,20 @@ def _chunked_head_fwd(hidden_chunks, unembedding, target_chunks, temperature, wi
     return (logprobs, entropy), (hidden_chunks, unembedding, target_chunks, temperature, lse, entropy)
 
 
+def _explicit_sharding(x):
+    """`x`'s sharding when its mesh has Explicit axes (sharding in types, `jax.make_mesh`'s default),
+    else None. Under Explicit axes an einsum that contracts a sharded dimension (the batch, in the
+    unembedding's gradient) must be told how to shard its output: as the array it is the gradient of."""
+    sharding = jax.typeof(x).sharding
+    axis_types = getattr(getattr(sharding, "mesh", None), "axis_types", ())
+    return sharding if any(t == jax.sharding.AxisType.Explicit for t in axis_types) else None
+
+
 def _chunked_head_bwd(with_entropy, residuals, cotangents):
     hidden_chunks, unembedding, target_chunks, temperature, lse_chunks, entropy_chunks = residuals
     g_logprobs, g_entropy = cotangents
     compute = unembedding.astype(hidden_chunks.dtype)
+    unembedding_sharding = _explicit_sharding(unembedding)
 
     def body(g_unembedding, xs):
         h, targets, lse, entropy, g_lp, g_ent = xs
@@ -70,12 +80,14 @@ def _chunked_head_bwd(with_entropy, residuals, cotangents):
         if with_entropy:
             g_z = g_z - g_ent[..., None] * p * (log_p + entropy[..., None])
         g_logits = (g_z / temperature).astype(h.dtype)
-        g_h = jnp.einsum("bcv,dv->bcd", g_logits, compute, preferred_element_type=jnp.float32).astype(h.dtype)
-        g_unembedding = g_unembedding + jnp.einsum("bcd,bcv->dv", h, g_logits, preferred_element_type=jnp.float32)
+        g_h = jnp.einsum("bcv,dv->bcd", g_logits, compute, preferred_element_type=jnp.float32,
+                         out_sharding=_explicit_sharding(h)).astype(h.dtype)
+        g_unembedding = g_unembedding + jnp.einsum("bcd,bcv->dv", h, g_logits, preferred_element_type=jnp.float32,
+                                                   out_sharding=unembedding_sharding)
         return g_unembedding, g_h
 
     g_unembedding, g_hidden = jax.lax.scan(
-        body, jnp.zeros(unembedding.shape, jnp.float32),
+        body, jnp.zeros_like(unembedding, jnp.float32),
         (hidden_chunks, target_chunks, lse_chunks, entropy_chunks, g_logprobs, g_entropy))
     return g_hidden, g_unembedding.astype(unembedding.dtype), None, jnp.zeros_like(temperature)
 

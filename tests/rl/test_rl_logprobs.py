@@ -78,3 +78,35 @@ def test_memory_is_a_fraction_of_naive_at_qwen3_vocab_and_8k(d, dtype, share):
     full_logits = b * t * v * 4
     assert mem_n >= full_logits  # the naive path really holds [B, T, V] logits
     assert mem_c <= mem_n * share, (mem_c, mem_n)
+
+
+def test_gradients_on_an_explicit_mesh():
+    """`jax.make_mesh`'s default axes are Explicit (sharding in types): the hand-written backward pass
+    must say how its batch-contracting einsums shard their outputs, or JAX refuses to trace it. Here
+    as a data-parallel program has it: the batch sharded, the unembedding replicated."""
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+    rng = np.random.default_rng(0)
+    hidden = rng.standard_normal((4, 16, 8)).astype(np.float32)
+    unembedding = rng.standard_normal((8, 32)).astype(np.float32)
+    targets = rng.integers(0, 32, (4, 16)).astype(np.int32)
+
+    def loss(h, w, t):
+        logprobs, entropy = token_logprobs(h, w, t, chunk_size=4, return_entropy=True)
+        return (logprobs * jnp.linspace(0.5, 1.5, 16)).sum() + 0.1 * entropy.sum()
+
+    def naive_loss(h, w, t):
+        logprobs, entropy = naive_token_logprobs(h, w, t, return_entropy=True)
+        return (logprobs * jnp.linspace(0.5, 1.5, 16)).sum() + 0.1 * entropy.sum()
+
+    expected = jax.grad(naive_loss, argnums=(0, 1))(hidden, unembedding, targets)
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Explicit,) * 2, devices=jax.devices()[:4])
+    with jax.set_mesh(mesh):
+        h = jax.device_put(hidden, NamedSharding(mesh, P("data")))
+        w = jax.device_put(unembedding, NamedSharding(mesh, P()))
+        t = jax.device_put(targets, NamedSharding(mesh, P("data")))
+        g_h, g_w = jax.jit(jax.grad(loss, argnums=(0, 1)))(h, w, t)
+        assert jax.typeof(g_h).sharding.spec == jax.typeof(h).sharding.spec
+        assert jax.typeof(g_w).sharding.spec == jax.typeof(w).sharding.spec
+    np.testing.assert_allclose(np.asarray(g_h), expected[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(g_w), expected[1], rtol=1e-5, atol=1e-5)
