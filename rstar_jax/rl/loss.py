@@ -26,14 +26,22 @@ MIN_METRICS = ("ratio_min",)
 def grpo_loss(logprobs, old_logprobs, advantages, loss_mask, *, clip_low=0.2, clip_high=0.28, dual_clip=None,
               log_ratio_clamp=20.0, ref_logprobs=None, kl_coef=0.0, entropy=None, entropy_coef=0.0,
               sampler_logprobs=None):
-    """Token-level PPO-clip loss. All inputs [..., T]; `advantages` per token (or broadcastable).
+    """Token-level PPO-clip loss. All inputs [..., T]; `advantages` per token ([..., T], or
+    broadcastable to it) or per sequence ([...], one value per row, as `group_advantages` returns).
 
     Returns (loss_sum, token_count, metrics): the gradient of loss_sum / total_token_count is the
     exact token-mean objective.
     """
     mask = loss_mask.astype(jnp.float32)
     on = mask > 0
-    advantages = jnp.broadcast_to(advantages, logprobs.shape).astype(jnp.float32)
+    advantages = jnp.asarray(advantages)
+    if advantages.ndim == logprobs.ndim - 1:  # one per sequence: the same for each of its tokens
+        advantages = advantages[..., None]
+    try:
+        advantages = jnp.broadcast_to(advantages, logprobs.shape).astype(jnp.float32)
+    except ValueError:
+        raise ValueError(f"grpo_loss: advantages of shape {advantages.shape} fit neither logprobs' "
+                         f"{logprobs.shape} (per token) nor {logprobs.shape[:-1]} (per sequence)") from None
     # Masked positions may hold anything (padding, -inf): zero them before exp.
     log_ratio = jnp.where(on, logprobs - old_logprobs, 0.0)
     log_ratio = jnp.clip(log_ratio, -log_ratio_clamp, log_ratio_clamp)

@@ -105,3 +105,19 @@ def test_metrics_combine_exactly_across_micro_batches():
     final = finalize_metrics(merged)
     np.testing.assert_allclose(final["drift/logprob_abs_mean"], 0.1, rtol=1e-4)
     np.testing.assert_allclose(final["entropy/mean"], 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows, length", [(3, 5), (4, 4)], ids=["B!=T", "B==T"])
+def test_advantages_per_sequence_apply_to_each_of_its_tokens(rows, length):
+    """`group_advantages` gives one advantage per rollout ([B]); with B == T a plain broadcast would
+    silently spread them along the sequence instead."""
+    rng = np.random.default_rng(0)
+    logprobs, old = (rng.standard_normal((rows, length)).astype(np.float32) for _ in range(2))
+    mask = rng.integers(0, 2, (rows, length)).astype(np.float32)
+    per_sequence = rng.standard_normal(rows).astype(np.float32)
+    per_token = np.repeat(per_sequence[:, None], length, axis=1)
+    got = grpo_loss(logprobs, old, per_sequence, mask)
+    want = grpo_loss(logprobs, old, per_token, mask)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+    with pytest.raises(ValueError, match=r"grpo_loss: advantages of shape \(2, 3\) fit neither"):
+        grpo_loss(logprobs, old, np.zeros((2, 3), np.float32), mask)
