@@ -140,6 +140,16 @@ class RunData:
         return frame_length(self.rl)
 
 
+def locate(run_dir: str | pathlib.Path) -> pathlib.Path:
+    """`run_dir`, or, when it is relative and not found from the working directory, the first
+    directory above the working directory that holds it: a notebook's kernel starts in notebooks/,
+    while `runs/` sits in the repository root."""
+    path = pathlib.Path(run_dir)
+    if path.is_absolute() or path.exists():
+        return path
+    return next((parent / path for parent in pathlib.Path.cwd().parents if (parent / path).exists()), path)
+
+
 def load_run(run_dir: str | pathlib.Path, name: str | None = None) -> RunData:
     """Reads `<run_dir>/metrics.jsonl` (and the stored config) into SFT and RL frames."""
     run_dir = pathlib.Path(run_dir)

@@ -2,6 +2,7 @@
 
 import json
 import math
+import pathlib
 
 import numpy as np
 import pytest
@@ -265,3 +266,12 @@ def test_analyse_records_padding_matches_unpadded_eager_entropies():
             assert sum(result.flagged) == round(0.2 * sum(record["loss_mask"]))
     with pytest.raises(ValueError, match="4 loss_mask entries for 13 response tokens"):
         runs.analyse_records(runs.CompiledPolicy(model), tokenizer, [dict(records[0], loss_mask=[1] * 4)])
+
+
+def test_locate_finds_a_relative_run_dir_from_a_folder_below_the_repository(tmp_path, monkeypatch):
+    (tmp_path / "runs" / "tiny").mkdir(parents=True)
+    (tmp_path / "notebooks").mkdir()
+    monkeypatch.chdir(tmp_path / "notebooks")
+    assert runs.locate("runs/tiny") == tmp_path / "runs" / "tiny"
+    assert runs.locate("runs/other") == pathlib.Path("runs/other")  # not found anywhere: as given
+    assert runs.locate(tmp_path / "runs" / "tiny") == tmp_path / "runs" / "tiny"

@@ -43,7 +43,7 @@ def inject(nb, **params) -> None:
     cell.source = "\n".join(f"{name} = {value}" for name, value in values.items())
 
 
-def execute(name: str, **params) -> nbformat.NotebookNode:
+def execute(name: str, cwd: pathlib.Path = REPO, **params) -> nbformat.NotebookNode:
     from nbclient import NotebookClient
 
     nb = load(name)
@@ -53,7 +53,7 @@ def execute(name: str, **params) -> nbformat.NotebookNode:
     env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
     env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-    client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}})
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(cwd)}})
     client.execute(env=env)  # raises CellExecutionError on the first failing cell
     return nb
 
@@ -106,6 +106,16 @@ def test_training_dynamics_with_stages(tiny_run_dir, tmp_path):
     assert text(nb).count(f" {n} RL steps") == 2
     stage = runs.load_run(tiny_run_dir).stage
     assert f"stages start at global RL steps: {stage} ({tiny_run_dir.name}) 1, stage_b {n + 1}" in text(nb)
+
+
+def test_the_default_run_dir_is_found_from_the_notebooks_folder(tiny_run_dir, tmp_path):
+    """Jupyter starts a kernel in the notebook's folder (notebooks/), while the default RUN_DIR,
+    runs/tiny, is relative to the repository root."""
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "tiny").symlink_to(tiny_run_dir)
+    (tmp_path / "notebooks").mkdir()
+    nb = execute("tool_use", cwd=tmp_path / "notebooks")  # RUN_DIR left at its default
+    assert f"agree with metrics.jsonl on {rl_steps(tiny_run_dir)} steps" in text(nb)
 
 
 def test_tool_use(tiny_run_dir):
