@@ -522,7 +522,8 @@ def _check_values(check: Checker) -> None:
     if check.positive_int("rl.micro_batch_tokens") and sequence is not None:
         if check.require(rl.micro_batch_tokens >= sequence, "rl.micro_batch_tokens",
                          f"must be >= rollout.max_prompt_length + rollout.response_budget = {sequence} (one whole "
-                         f"trajectory per micro-batch at least), got {rl.micro_batch_tokens}"):
+                         f"trajectory per micro-batch at least), got {rl.micro_batch_tokens}") \
+                and check.ok("rl.group_size", "data.num_prompts_per_step"):  # the micro-batch count's inputs
             check.build(lambda: resolve.batch_config(config))
     check.positive_int("sft.micro_batch_tokens")
 

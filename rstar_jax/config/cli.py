@@ -36,6 +36,8 @@ from rstar_jax.config import ConfigError, leaf_paths, load_config_file, unknown_
 from rstar_jax.errors import UserError
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130  # as a shell reports SIGINT
+HELP_FLAGS = ("-h", "--help", "-help", "--helpshort")
 
 _CONFIG_FILE = re.compile(r"^--?config(?:=(.*))?$", re.S)
 _OVERRIDE = re.compile(r"^--?(no)?config\.([^=]*)(?:=(.*))?$", re.S)
@@ -224,6 +226,9 @@ def config_command(default_config: str | os.PathLike, run: Callable[[ConfigDict]
         argv = flag_values.read_flags_from_files(argv, force_gnu=False)
     except flags.Error as e:
         fail([_one_line(e)])
+    if any(arg in HELP_FLAGS for arg in argv[1:]):
+        print(usage(str(default_config), flag_values))
+        sys.exit(0)
     path, index = _config_file(argv, str(default_config))
     try:
         loaded = load_config_file(path)
@@ -268,8 +273,31 @@ def config_command(default_config: str | os.PathLike, run: Callable[[ConfigDict]
             run(config)
         except (UserError, *user_errors) as e:
             fail(str(e).splitlines() or [type(e).__name__])
+        except KeyboardInterrupt:  # Ctrl-C: the user's choice, not a failure to explain
+            print("interrupted", file=sys.stderr)
+            sys.exit(EXIT_INTERRUPTED)
 
     app.run(main, argv=argv, flags_parser=parse)
+
+
+def usage(default_config: str, flag_values: flags.FlagValues = flags.FLAGS) -> str:
+    """`--help`: the command's own docstring, `--config` and its overrides, and the command's flags."""
+    main = sys.modules.get("__main__")
+    lines = [(getattr(main, "__doc__", None) or "").strip(), "", "flags:",
+             f"  --config=FILE: a config file defining get_config() (default: {_shown(default_config)})",
+             "  --config.a.b=VALUE: set any field of configs/base.py, e.g. --config.train.steps=40 "
+             "(`python -m rstar_jax.config --config=FILE` prints them all)"]
+    own = flag_values.flags_by_module_dict().get(getattr(main, "__name__", "__main__"), [])
+    own += flag_values.flags_by_module_dict().get(sys.argv[0], []) if sys.argv else []
+    for flag in sorted({f.name: f for f in own}.values(), key=lambda f: f.name):
+        lines.append(f"  --{flag.name}: {flag.help} (default: {flag.default!r})")
+    lines.append("  --verbosity=N: absl logging (default: warnings only); --helpfull: every absl flag")
+    return "\n".join(lines).lstrip("\n")
+
+
+def _shown(path: str) -> str:
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
 
 
 def _flag_value(value: bool | flags.FlagHolder) -> bool:

@@ -197,3 +197,21 @@ def test_config_command_reports_other_command_line_mistakes_in_one_line_each(tmp
     result = _run("rstar_jax.config", f"--config={broken}", cwd=tmp_path)
     assert _errors(result) == [f"--config={broken}: loading the config failed: NameError: name 'undefined_name' "
                                f"is not defined ({broken}:2)"]
+
+
+@pytest.mark.parametrize("module, own_flag", [("rstar_jax.config", "--check_files"), ("rstar_jax.launch", None)])
+def test_help_names_the_config_flag_and_exits_0(module, own_flag, tmp_path):
+    result = _run(module, "--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--config=FILE" in result.stdout and "--config.a.b=VALUE" in result.stdout
+    assert own_flag is None or own_flag in result.stdout
+
+
+def test_ctrl_c_in_a_command_is_one_line_and_exit_130(tmp_path):
+    """A KeyboardInterrupt in the work (Ctrl-C) ends the command without a traceback."""
+    code = ("import sys\nfrom rstar_jax.config.cli import config_command\nfrom rstar_jax.config import DEFAULT_CONFIG\n"
+            "def run(config):\n    raise KeyboardInterrupt\n"
+            "config_command(DEFAULT_CONFIG, run, check_files=False, argv=[sys.argv[0]])\n")
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 130, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == "interrupted" and "Traceback" not in result.stderr

@@ -149,6 +149,8 @@ def test_tiny_config_describes_a_tiny_model():
     validate(config)
     assert _problems(_load("tiny", {"rollout.engine.slots": 0})) == \
         ["config.rollout.engine.slots: must be a positive integer, got 0"]
+    # The micro-batch count derives from it: one line, on the field the user set.
+    assert _problems(_load("tiny", {"rl.group_size": 0})) == ["config.rl.group_size: must be >= 1, got 0"]
 
 
 @pytest.mark.parametrize("overrides,message", [
