@@ -227,6 +227,11 @@ def tokenizer(config) -> Tokenizer:
     Generation stops on the model's EOS set: its `generation_config.json` where the model has one."""
     previous_model, previous_tokenizer = ("", "") if config.model.hf_path else previous_stage(config)
     path = config.tokenizer.path or config.model.hf_path or previous_tokenizer
+    if config.tokenizer.kind == "hf" and not path:  # validation saw train.init_from exist, not what it holds
+        raise ConfigError(f"config.tokenizer.path: an hf tokenizer needs files: tokenizer.path and model.hf_path "
+                          f"are unset, and train.init_from={config.train.init_from!r} holds no run that names "
+                          f"its tokenizer (a stage's checkpoints store their config); set tokenizer.path or "
+                          f"model.hf_path")
     model_dir = config.model.hf_path or previous_model
     generation = pathlib.Path(model_dir) / "generation_config.json" if model_dir else None
     return load_tokenizer(config.tokenizer.kind, path or None,

@@ -187,3 +187,13 @@ def test_the_engine_pool_follows_mem_fraction_static_unless_max_total_tokens_is_
     with pytest.raises(UserError, match=r"more than config.rollout.engine.mem_fraction_static 0.5 of this host's .*; "
                                         r"pass config.rollout.engine.max_total_tokens"):
         builders.make_engine(_config(**{**small, "rollout.engine.slots": 1 << 30}), model, None)
+
+
+def test_an_hf_tokenizer_with_nothing_to_load_is_a_config_error(tmp_path):
+    """Stage 3 names only train.init_from; a directory that exists (what validation checks) but holds
+    no run gives one error naming the field, not a traceback from the tokenizer loader."""
+    (tmp_path / "checkpoints").mkdir()
+    config = load_config_file(REPO_CONFIGS / "stage3.py")
+    config.update_from_flattened_dict({"train.init_from": str(tmp_path / "checkpoints")})
+    with pytest.raises(ConfigError, match=r"config\.tokenizer\.path: an hf tokenizer needs files"):
+        builders.tokenizer(config)
