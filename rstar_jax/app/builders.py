@@ -380,6 +380,15 @@ def checkpointer(config, model: Qwen3, tokenizer: Tokenizer) -> Checkpointer:
                         export_every=c.export_hf_every, export_dir=run_dir / "hf")
 
 
+def warm_up_checkpointer(config) -> Checkpointer:
+    """`<run_dir>/checkpoints_sft_warmup`: RL's SFT warm-up, saved every `checkpoint.every_steps`
+    steps so that a run killed in it resumes there. Apart from `checkpoints/`, whose steps are RL's
+    (a later stage's `train.init_from` reads those); the latest save only, no HF exports."""
+    c = config.checkpoint
+    return Checkpointer(pathlib.Path(config.run_dir) / "checkpoints_sft_warmup", max_to_keep=1,
+                        async_save=c.async_save, save_every=c.every_steps)
+
+
 # -- sandbox, generators and the rollout loop's resources -------------------------------------------
 
 @contextlib.contextmanager

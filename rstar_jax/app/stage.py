@@ -58,8 +58,12 @@ def _run_stage(config, run_dir: pathlib.Path, targets: list[str]) -> dict:
         if config.mode == "sft" or warm_up:
             if not sft_files:
                 raise ConfigError("config.sft.train_files: the SFT stage needs a conversations file")
-            summary.update(run_sft(config, model, mesh, tokenizer, template, sft_files, metrics,
-                                   checkpointer if config.mode == "sft" else None))
+            if warm_up:
+                with builders.warm_up_checkpointer(config) as warm_up_checkpointer:
+                    summary.update(run_sft(config, model, mesh, tokenizer, template, sft_files, metrics,
+                                           warm_up_checkpointer))
+            else:
+                summary.update(run_sft(config, model, mesh, tokenizer, template, sft_files, metrics, checkpointer))
             if warm_up and config.checkpoint.export_hf_final:
                 builders.export_hf(config, model, tokenizer, run_dir / "hf" / "sft_warmup")  # the policy RL starts from
         if config.mode == "rl":
@@ -77,8 +81,8 @@ def _run_stage(config, run_dir: pathlib.Path, targets: list[str]) -> dict:
 def run_sft(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTemplate, conversation_files,
             metrics: MetricsWriter, checkpointer: Checkpointer | None = None) -> dict:
     """The SFT stage (or RL's warm-up): assistant-token NLL, packed, cosine schedule, the files one
-    after the other in each epoch. With a checkpointer (the `sft` mode) it saves every
-    `checkpoint.every_steps` steps and at the end, and resumes from the latest save."""
+    after the other in each epoch. With a checkpointer (the `sft` mode's, or the warm-up's own) it
+    saves every `checkpoint.every_steps` steps and at the end, and resumes from the latest save."""
     batches = builders.sft_batches(config, tokenizer, template, conversation_files, mesh)
     total = config.sft.epochs * batches.steps_per_epoch()
     optimizer = make_optimizer(model, resolve.sft_optimizer_config(config, total))
@@ -128,6 +132,7 @@ def _restore(config, model, optimizer, tokenizer: Tokenizer, train_files, metric
         print(f"[rl] resumed from step {restored.step}", flush=True)
         return RLStart(restored.step, int(state.get("step_offset", 0)), prompts)
     prompts, _ = builders.prompt_iterator(config, train_files, tokenizer)
+    metrics.discard_after(-1, where=is_rl_line)  # RL starts afresh: lines of a run killed before its first save
     if not config.train.init_from:
         return RLStart(0, 0, prompts)
     source = checkpoints_directory(config.train.init_from)

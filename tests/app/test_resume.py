@@ -45,11 +45,11 @@ def _run(run_dir, *overrides) -> subprocess.CompletedProcess:
     return result
 
 
-def _kill_after_checkpoint(run_dir: pathlib.Path, step: int, *overrides) -> None:
+def _kill_after_checkpoint(run_dir: pathlib.Path, step: int, *overrides, directory: str = "checkpoints") -> None:
     """Starts the run, waits until checkpoint `step` is committed, then SIGKILLs the process."""
     process = subprocess.Popen(_command(run_dir, *overrides), cwd=run_dir.parent, env=_env(),
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    committed = run_dir / "checkpoints" / str(step)
+    committed = run_dir / directory / str(step)
     deadline = time.monotonic() + 300
     try:
         while not committed.is_dir():
@@ -133,6 +133,28 @@ def test_sft_run_killed_and_resumed_matches_the_uninterrupted_run_bitwise(tmp_pa
     losses = [m["sft/loss"] for m in read_metrics(straight)]
     assert losses == [m["sft/loss"] for m in read_metrics(resumed)]
     assert json.loads((straight / "data" / "sft_0.jsonl").read_text().splitlines()[0])["messages"]
+
+
+WARM_UP = (*TINY_TEST_TASK, "--config.sft.epochs=1", "--config.data.synthetic.sft_stages=((32,(0,1,0)),(16,(0.4,0.3,0.3)))",
+           "--config.checkpoint.every_steps=4", "--config.checkpoint.export_hf_every=0", "--config.train.steps=1",
+           "--config.train.eval_every=0")
+
+
+def test_rl_warm_up_killed_and_resumed_continues_its_sft(tmp_path):
+    """RL's SFT warm-up saves as it goes (`checkpoints_sft_warmup/`): a run killed in it resumes
+    there, logs each SFT step once and warms up to the same policy as an uninterrupted run."""
+    straight, resumed = tmp_path / "straight" / "run", tmp_path / "resumed" / "run"
+    straight.parent.mkdir()
+    resumed.parent.mkdir()
+    _run(straight, *WARM_UP)
+    _kill_after_checkpoint(resumed, 4, *WARM_UP, directory="checkpoints_sft_warmup")
+    restart = _run(resumed, *WARM_UP)
+    assert "[sft] resumed from step 4" in restart.stdout
+    warm = [load_file(str(run / "hf" / "sft_warmup" / "model.safetensors")) for run in (straight, resumed)]
+    _assert_bitwise_equal(*warm)
+    sft_steps = [[m["step"] for m in read_metrics(run) if "sft/loss" in m] for run in (straight, resumed)]
+    assert sft_steps[0] == sft_steps[1] == list(range(1, 13))
+    assert [m["step"] for m in read_metrics(resumed) if "rollout/reward_mean" in m] == [1]
 
 
 def test_next_stage_starts_from_the_previous_stages_checkpoint(tmp_path):
