@@ -48,7 +48,7 @@ ONLY_THROUGH = {
     ("config", "model"): {"rstar_jax.model.config"},
     ("config", "rl"): {"rstar_jax.rl.roc", "rstar_jax.rl.settings"},
     ("config", "rollout"): {"rstar_jax.rollout.loop", "rstar_jax.rollout.scheduler", "rstar_jax.rollout.tool_env"},
-    ("config", "train"): {"rstar_jax.train.settings"},
+    ("config", "train"): {"rstar_jax.train.settings", "rstar_jax.train.run_files"},
 }
 
 

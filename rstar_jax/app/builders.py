@@ -35,7 +35,7 @@ from rstar_jax.agent.reward import make_scorer
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer, load_tokenizer
 from rstar_jax.agent.tool_calls import format_observation
-from rstar_jax.config import resolve
+from rstar_jax.config import missing_tokenizer, resolve
 from rstar_jax.data.datasets import (
     DataError,
     LoadReport,
@@ -228,10 +228,7 @@ def tokenizer(config) -> Tokenizer:
     previous_model, previous_tokenizer = ("", "") if config.model.hf_path else previous_stage(config)
     path = config.tokenizer.path or config.model.hf_path or previous_tokenizer
     if config.tokenizer.kind == "hf" and not path:  # validation saw train.init_from exist, not what it holds
-        raise ConfigError(f"config.tokenizer.path: an hf tokenizer needs files: tokenizer.path and model.hf_path "
-                          f"are unset, and train.init_from={config.train.init_from!r} holds no run that names "
-                          f"its tokenizer (a stage's checkpoints store their config); set tokenizer.path or "
-                          f"model.hf_path")
+        raise ConfigError(f"config.tokenizer.path: {missing_tokenizer(config.train.init_from)}")
     model_dir = config.model.hf_path or previous_model
     generation = pathlib.Path(model_dir) / "generation_config.json" if model_dir else None
     return load_tokenizer(config.tokenizer.kind, path or None,

@@ -48,6 +48,7 @@ from rstar_jax.engine.weight_transfer import BACKENDS as WEIGHT_SYNC_BACKENDS
 from rstar_jax.errors import ConfigError, UserError  # noqa: F401  (re-exported)
 from rstar_jax.model.config import DTYPE_NAMES, MESH_AXES
 from rstar_jax.rollout.scheduler import RESERVATIONS
+from rstar_jax.train.run_files import CheckpointError, stored_config
 from rstar_jax.train.settings import SYNC_METHODS, SYNC_MODES
 
 T = TypeVar("T")
@@ -348,6 +349,29 @@ def _check_tokenizer_source(check: Checker) -> None:
         check.require(bool(config.tokenizer.path or config.model.hf_path or config.train.init_from), "tokenizer.path",
                       "an hf tokenizer needs files: set tokenizer.path or model.hf_path (or continue a run with "
                       "train.init_from)")
+
+
+def missing_tokenizer(init_from: str) -> str:
+    """The problem with an hf tokenizer that names no files: only `train.init_from`, whose run names none."""
+    return (f"an hf tokenizer needs files: tokenizer.path and model.hf_path are unset, and train.init_from="
+            f"{init_from!r} holds no run that names its tokenizer (a stage's checkpoints store their config); "
+            f"set tokenizer.path or model.hf_path")
+
+
+def _check_previous_run_tokenizer(check: Checker) -> None:
+    """With only `train.init_from` naming the tokenizer, the run there must name one (as launch reads it)."""
+    config = check.config
+    if config.tokenizer.kind != "hf" or config.tokenizer.path or config.model.hf_path or not config.train.init_from \
+            or not pathlib.Path(config.train.init_from).exists() or not check.ok("tokenizer.path", "train.init_from"):
+        return
+    try:
+        stored = stored_config(config.train.init_from) or {}
+    except CheckpointError as e:
+        check.fail("train.init_from", str(e))
+        return
+    model, tokenizer = stored.get("model") or {}, stored.get("tokenizer") or {}
+    check.require(bool(tokenizer.get("path") or model.get("hf_path")), "tokenizer.path",
+                  missing_tokenizer(config.train.init_from))
 
 
 def check_filter_hard(config: ml_collections.ConfigDict, *, check_files: bool = True) -> tuple[str, ...]:
@@ -690,6 +714,7 @@ def _check_inputs(check: Checker) -> None:
         check.existing("tokenizer.path", [config.tokenizer.path])
     if config.train.init_from and mode == "rl":
         check.existing("train.init_from", [config.train.init_from])
+        _check_previous_run_tokenizer(check)
 
 
 def input_problems(config: ml_collections.ConfigDict) -> list[str]:

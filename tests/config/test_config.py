@@ -352,3 +352,21 @@ def test_check_mesh_at_run_time():
     config.update_from_flattened_dict({"mesh.fsdp": 2, "mesh.tensor": 2})
     with pytest.raises(ConfigError, match=r"data\*fsdp\*tensor = 4 but 8 devices"):
         check_mesh(config, 8)
+
+
+def test_check_files_reads_the_tokenizer_a_previous_run_names(tmp_path):
+    """Stage 3 names its policy and tokenizer only through train.init_from: --check_files looks into
+    that run's stored config, as launch will, instead of accepting any directory."""
+    data = tmp_path / "hard.jsonl"
+    data.write_text('{"question": "1+1", "answer": "2"}\n')
+    files = {"data.train_files": (str(data),), "data.eval_files": (str(data),)}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _problems(_load("stage3", {**files, "train.init_from": str(empty)}), check_files=True) == [
+        f"config.tokenizer.path: an hf tokenizer needs files: tokenizer.path and model.hf_path are unset, and "
+        f"train.init_from={str(empty)!r} holds no run that names its tokenizer (a stage's checkpoints store their "
+        f"config); set tokenizer.path or model.hf_path"]
+    stored = tmp_path / "stage2" / "checkpoints" / "85" / "config"
+    stored.mkdir(parents=True)
+    (stored / "metadata").write_text('{"model": {"hf_path": "runs/sft/hf/final"}, "tokenizer": {"path": ""}}')
+    validate(_load("stage3", {**files, "train.init_from": str(tmp_path / "stage2")}), check_files=True)
