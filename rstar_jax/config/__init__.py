@@ -189,10 +189,7 @@ class Checker:
             return None
 
     def value(self, field: str) -> Any:
-        node = self.config
-        for part in field.split("."):
-            node = node[part]
-        return node
+        return resolve.config_value(self.config, field)
 
     def raise_if_any(self) -> None:
         if self.problems:
