@@ -287,8 +287,9 @@ def usage(default_config: str, flag_values: flags.FlagValues = flags.FLAGS) -> s
              f"  --config=FILE: a config file defining get_config() (default: {_shown(default_config)})",
              "  --config.a.b=VALUE: set any field of configs/base.py, e.g. --config.train.steps=40 "
              "(`python -m rstar_jax.config --config=FILE` prints them all)"]
-    own = flag_values.flags_by_module_dict().get(getattr(main, "__name__", "__main__"), [])
-    own += flag_values.flags_by_module_dict().get(sys.argv[0], []) if sys.argv else []
+    by_module = flag_values.flags_by_module_dict()  # absl's own lists: read, not extended
+    own = [*by_module.get(getattr(main, "__name__", "__main__"), []),
+           *(by_module.get(sys.argv[0], []) if sys.argv else [])]
     for flag in sorted({f.name: f for f in own}.values(), key=lambda f: f.name):
         lines.append(f"  --{flag.name}: {flag.help} (default: {flag.default!r})")
     lines.append("  --verbosity=N: absl logging (default: warnings only); --helpfull: every absl flag")
