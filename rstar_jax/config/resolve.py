@@ -126,8 +126,8 @@ def loop_config(config: ml_collections.ConfigDict, sampling: str = "rollout") ->
 
 
 def roc_config(config: ml_collections.ConfigDict) -> RocConfig:
-    """RoC from `config.rl.roc_*` and `rl.group_size`, seeded by the run's seed."""
-    return build(RocConfig, config, "rl", prefix="roc_", given={"seed": ("seed", config.seed)})
+    """RoC from `config.rl.roc_*` and `rl.group_size` (its draw is seeded per step: `RLSettings.seed`)."""
+    return build(RocConfig, config, "rl", prefix="roc_")
 
 
 def loss_config(config: ml_collections.ConfigDict) -> LossConfig:
@@ -168,4 +168,5 @@ def rl_settings(config: ml_collections.ConfigDict, data_parallel: int = 1) -> RL
     """Everything one RL step needs beside the model and the optimizer."""
     return RLSettings(rollouts_per_prompt=config.rollout.rollouts_per_prompt, loop=loop_config(config),
                       roc=roc_config(config), loss=loss_config(config), batch=batch_config(config, data_parallel),
+                      seed=config.seed,
                       chunk_size=config.rl.logprob_chunk_size, max_concurrency=config.rollout.max_concurrency)

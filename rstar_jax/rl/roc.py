@@ -39,13 +39,32 @@ ZERO_ADVANTAGE = ("keep", "drop")
 
 @dataclasses.dataclass(frozen=True)
 class RocConfig:
+    """How `resample_on_correct` keeps G of a group's rollouts (the draw's seed is per call).
+
+    Attributes:
+      group_size: G, the rollouts kept per group; the caller samples more (rStar2-Agent: 2G = 32
+        sampled, 16 kept). Groups of at most G are kept whole (the release variant drops those
+        smaller than G).
+      variant: "paper" (negatives drawn uniformly, positives drawn with weight 1 / (penalty + ε))
+        or "release" (the rStar2 release's deterministic counts and order); the module docstring
+        says how they differ.
+      epsilon: paper variant: ε in the positives' weight 1 / (p_total + ε); ε = 1e-3 nearly always
+        draws the zero-penalty positives first, ε ≈ 0.1 keeps the draw visibly random.
+      min_per_class: release variant: at least this many negatives and positives where the group
+        has them (the release's 2).
+      min_negatives: paper variant: keep at least this many negatives where the group has them
+        (0: the paper's ⌊n_neg·G/n⌋, which keeps no negative of a group with one).
+      zero_advantage: a kept group whose kept rewards are all equal (advantage 0): "keep" (its
+        tokens still count in the token-mean denominator) or "drop" (counted in
+        `roc/dropped_zero_advantage`).
+    """
+
     group_size: int = 16  # G kept per prompt (rStar2-Agent §4.3: 32 sampled -> 16 kept)
     variant: str = "paper"
-    epsilon: float = 1e-3  # paper variant: weight 1 / (p_total + epsilon), since p_total can be 0
-    min_per_class: int = 2  # release variant
-    min_negatives: int = 0  # paper variant: keep at least this many negatives (0: the paper's ⌊n_neg·G/n⌋)
-    zero_advantage: str = "keep"  # a kept group whose kept rewards are all equal: "keep" | "drop"
-    seed: int = 0
+    epsilon: float = 1e-3
+    min_per_class: int = 2
+    min_negatives: int = 0
+    zero_advantage: str = "keep"
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -143,13 +162,23 @@ def _release_counts(n: int, n_neg: int, n_pos: int, g: int, minimum: int) -> tup
     return min(neg_k, n_neg), min(pos_k, n_pos)
 
 
-def resample_on_correct(rewards, group_ids, penalties, config: RocConfig = RocConfig()) -> RocResult:
+def resample_on_correct(rewards, group_ids, penalties, config: RocConfig = RocConfig(), *, seed) -> RocResult:
     """Drops all-equal groups and keeps `config.group_size` rollouts of each remaining group.
 
     Args:
       rewards: [N] rewards (> 0 is a positive).
       group_ids: [N] prompt/group id of each rollout; rollout order within a group is index order.
-      penalties: [N] p_total per rollout (`paper_penalty` or `release_penalty*`).
+      penalties: [N] p_total per rollout (`paper_penalty` or `release_penalty`).
+      config: the selection (`RocConfig`).
+      seed: the paper variant's random draw, anything `np.random.default_rng` takes (an int, a
+        sequence of ints such as (run seed, step), a SeedSequence or a Generator). Required, so
+        that each call draws as its caller intends: pass a new one per step (a fixed seed draws
+        the same positions every step) and the same one to repeat a draw. The release variant
+        does not draw and ignores it.
+
+    Returns:
+      `RocResult`: the kept indices (grouped, ascending within each group) and what was dropped;
+      `RocResult.stats()` gives them as `roc/*` metrics.
     """
     rewards = np.asarray(rewards, np.float64)
     group_ids = np.asarray(group_ids)
@@ -162,7 +191,7 @@ def resample_on_correct(rewards, group_ids, penalties, config: RocConfig = RocCo
     if np.any(~np.isfinite(penalties)) or np.any(penalties < 0):
         raise ValueError("resample_on_correct: penalties must be finite and >= 0")
     g = config.group_size
-    rng = np.random.default_rng(config.seed)
+    rng = np.random.default_rng(seed)
     _, first = np.unique(group_ids, return_index=True)
     kept: list[np.ndarray] = []
     counts = dict(all_correct=0, all_wrong=0, too_small=0, kept=0, zero_advantage=0, dropped_zero_advantage=0)

@@ -46,9 +46,10 @@ def penalties_for(trajectories: Sequence[Trajectory], variant: str, decode=None)
 
 
 def prepare_batch(trajectories: Sequence[Trajectory], roc_config: RocConfig, batch_config: BatchConfig,
-                  *, decode=None, advantage_estimator: str = "grpo") -> PreparedBatch:
-    """RoC, then the advantages of the kept rollouts by the estimator registered as
-    `advantage_estimator` (`LossConfig.advantage_estimator`), then fixed-shape micro-batches."""
+                  *, seed, decode=None, advantage_estimator: str = "grpo") -> PreparedBatch:
+    """RoC (its draw seeded by `seed`, as `resample_on_correct`), then the advantages of the kept
+    rollouts by the estimator registered as `advantage_estimator` (`LossConfig.advantage_estimator`),
+    then fixed-shape micro-batches."""
     if not trajectories:
         raise ValueError("prepare_batch: no trajectories")
     for i, t in enumerate(trajectories):
@@ -57,7 +58,8 @@ def prepare_batch(trajectories: Sequence[Trajectory], roc_config: RocConfig, bat
             raise ValueError(f"prepare_batch: trajectory {i} (group {t.group_id}) has an empty response")
     rewards = np.asarray([t.reward for t in trajectories], np.float64)
     groups = np.asarray([t.group_id for t in trajectories])
-    roc = resample_on_correct(rewards, groups, penalties_for(trajectories, roc_config.variant, decode), roc_config)
+    roc = resample_on_correct(rewards, groups, penalties_for(trajectories, roc_config.variant, decode), roc_config,
+                              seed=seed)
     if len(roc.kept_indices) == 0:
         return PreparedBatch(None, [], np.zeros(0, np.float32), roc)
     kept = [trajectories[i] for i in roc.kept_indices]

@@ -86,6 +86,7 @@ class RLSettings:
     roc: RocConfig
     loss: LossConfig
     batch: BatchConfig
+    seed: int  # the run's seed; RoC's draw at step s is seeded with (seed, s)
     chunk_size: int = 1024
     max_concurrency: int = 64
 

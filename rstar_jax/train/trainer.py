@@ -15,7 +15,6 @@ client and the verifier), so the loop itself never runs untrusted code.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -95,12 +94,12 @@ class RLTrainer:
 
     def prepare(self, trajectories: list[Trajectory], *, step: int) -> PreparedBatch:
         """RoC and advantages into fixed-shape micro-batches (host arrays). RoC's random choice is
-        seeded with (roc.seed, step): each step draws afresh and a resumed run draws as the
+        seeded with (the run's seed, step): each step draws afresh and a resumed run draws as the
         uninterrupted one did."""
         s = self.settings
-        roc = dataclasses.replace(s.roc, seed=int(np.random.SeedSequence([s.roc.seed, step]).generate_state(1)[0]))
+        seed = int(np.random.SeedSequence([s.seed, step]).generate_state(1)[0])
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-        return prepare_batch(trajectories, roc, s.batch, decode=decode,
+        return prepare_batch(trajectories, s.roc, s.batch, seed=seed, decode=decode,
                              advantage_estimator=s.loss.advantage_estimator)
 
     def update(self, trajectories: list[Trajectory], *, step: int) -> dict[str, Any]:

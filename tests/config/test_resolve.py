@@ -17,7 +17,7 @@ CARRIED = [
     ("rl.roc_min_per_class", 1, resolve.roc_config, "min_per_class"),
     ("rl.roc_min_negatives", 1, resolve.roc_config, "min_negatives"),
     ("rl.roc_zero_advantage", "drop", resolve.roc_config, "zero_advantage"),
-    ("seed", 17, resolve.roc_config, "seed"),
+    ("seed", 17, resolve.rl_settings, "seed"),
     ("rollout.max_turns", 5, resolve.loop_config, "max_turns"),
     ("rollout.max_tool_calls_per_turn", 2, resolve.loop_config, "max_calls_per_turn"),
     ("rollout.tools", False, resolve.loop_config, "use_tools"),

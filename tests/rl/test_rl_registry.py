@@ -155,14 +155,14 @@ def _trajectories():
 
 def test_a_registered_advantage_estimator_is_picked_by_name_by_prepare_batch():
     roc, batch = RocConfig(group_size=4, variant="paper"), BatchConfig(rows=4, row_length=8)
-    default = prepare_batch(_trajectories(), roc, batch)
-    named = prepare_batch(_trajectories(), roc, batch, advantage_estimator=LossConfig().advantage_estimator)
+    default = prepare_batch(_trajectories(), roc, batch, seed=0)
+    named = prepare_batch(_trajectories(), roc, batch, seed=0, advantage_estimator=LossConfig().advantage_estimator)
     np.testing.assert_array_equal(default.advantages, named.advantages)
-    signs = prepare_batch(_trajectories(), roc, batch,
+    signs = prepare_batch(_trajectories(), roc, batch, seed=0,
                           advantage_estimator=LossConfig(advantage_estimator="test_sign_only").advantage_estimator)
     np.testing.assert_array_equal(signs.roc.kept_indices, default.roc.kept_indices)
     np.testing.assert_array_equal(signs.advantages, np.sign(default.advantages))
     assert not np.array_equal(signs.advantages, default.advantages)
     assert set(np.unique(signs.advantages)) <= {-1.0, 0.0, 1.0}
     with pytest.raises(UserError, match="unknown advantage estimator 'nope'"):
-        prepare_batch(_trajectories(), roc, batch, advantage_estimator="nope")
+        prepare_batch(_trajectories(), roc, batch, seed=0, advantage_estimator="nope")

@@ -1,5 +1,7 @@
 """Resample-on-Correct (both variants) and group advantages."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -34,8 +36,8 @@ def batches(draw):
 def test_roc_properties(batch, variant, seed):
     rewards, groups, penalties, size = batch
     g = size // 2
-    config = RocConfig(group_size=g, variant=variant, seed=seed)
-    result = resample_on_correct(rewards, groups, penalties, config)
+    config = RocConfig(group_size=g, variant=variant)
+    result = resample_on_correct(rewards, groups, penalties, config, seed=seed)
     kept = result.kept_indices
     assert len(set(kept.tolist())) == len(kept)
     n_groups = len(np.unique(groups))
@@ -57,7 +59,7 @@ def test_roc_properties(batch, variant, seed):
             if len(kept_pos) and len(discarded):
                 assert penalties[discarded].min() >= penalties[kept_pos].max()
     # Determinism under a seed.
-    again = resample_on_correct(rewards, groups, penalties, config)
+    again = resample_on_correct(rewards, groups, penalties, config, seed=seed)
     np.testing.assert_array_equal(again.kept_indices, kept)
 
 
@@ -65,21 +67,21 @@ def test_release_worked_consequences():
     # 32 rollouts: 20 positives, 12 negatives -> neg_k = round(6.0) = 6, pos_k = round(10.0) = 10.
     rewards = np.array([1.0] * 20 + [0.0] * 12)
     penalties = np.concatenate([np.linspace(2.0, 0.0, 20), np.zeros(12)])
-    res = resample_on_correct(rewards, np.zeros(32, int), penalties, RocConfig(16, "release"))
+    res = resample_on_correct(rewards, np.zeros(32, int), penalties, RocConfig(16, "release"), seed=0)
     kept = res.kept_indices
     assert (rewards[kept] > 0).sum() == 10 and (rewards[kept] == 0).sum() == 6
     assert set(kept[rewards[kept] == 0]) == set(range(20, 26))  # first negatives in rollout order
     assert set(kept[rewards[kept] > 0]) == set(range(10, 20))  # the ten lowest penalties
     # One positive of 32: pos_k = round(0.5) = 0 -> minimum min(2, 1) = 1, neg_k = 15.
     rewards = np.array([1.0] + [0.0] * 31)
-    res = resample_on_correct(rewards, np.zeros(32, int), np.zeros(32), RocConfig(16, "release"))
+    res = resample_on_correct(rewards, np.zeros(32, int), np.zeros(32), RocConfig(16, "release"), seed=0)
     assert (rewards[res.kept_indices] > 0).sum() == 1 and len(res.kept_indices) == 16
     # Banker's rounding: 3 negatives -> 1.5 -> 2 (even); 29 positives -> 14.5 -> 14.
     rewards = np.array([1.0] * 29 + [0.0] * 3)
-    res = resample_on_correct(rewards, np.zeros(32, int), np.zeros(32), RocConfig(16, "release"))
+    res = resample_on_correct(rewards, np.zeros(32, int), np.zeros(32), RocConfig(16, "release"), seed=0)
     assert (rewards[res.kept_indices] == 0).sum() == 2
     # A group smaller than G is dropped by the release.
-    res = resample_on_correct(np.array([1.0, 0.0]), np.zeros(2, int), np.zeros(2), RocConfig(16, "release"))
+    res = resample_on_correct(np.array([1.0, 0.0]), np.zeros(2, int), np.zeros(2), RocConfig(16, "release"), seed=0)
     assert res.dropped_too_small == 1 and len(res.kept_indices) == 0
 
 
@@ -110,7 +112,7 @@ def test_paper_penalty_and_selection_weights():
     penalties = np.array([0.0] * 5 + [2.0] * 5 + [0.0] * 6)
     hits = np.zeros(16)
     for seed in range(200):
-        res = resample_on_correct(rewards, np.zeros(16, int), penalties, RocConfig(8, "paper", seed=seed))
+        res = resample_on_correct(rewards, np.zeros(16, int), penalties, RocConfig(8, "paper"), seed=seed)
         assert (rewards[res.kept_indices] == 0).sum() == 3
         hits[res.kept_indices] += 1
     assert hits[:5].min() > 190 and hits[5:10].max() < 10  # weight 1/(0+1e-3) vs 1/(2+1e-3)
@@ -120,22 +122,23 @@ def test_paper_variant_one_negative_options():
     # One negative among 2G = 32: the paper's floor(1/2) = 0 negatives leaves 16 equal rewards.
     rewards = np.array([1.0] * 31 + [0.0])
     groups, penalties = np.zeros(32, int), np.zeros(32)
-    literal = resample_on_correct(rewards, groups, penalties, RocConfig(16, "paper"))
+    literal = resample_on_correct(rewards, groups, penalties, RocConfig(16, "paper"), seed=0)
     assert len(literal.kept_indices) == 16 and np.all(rewards[literal.kept_indices] == 1.0)
     assert literal.zero_advantage_groups == 1 and literal.dropped_zero_advantage == 0
     assert np.all(group_advantages(rewards[literal.kept_indices], groups[:16]) == 0)
-    with_negative = resample_on_correct(rewards, groups, penalties, RocConfig(16, "paper", min_negatives=1))
+    with_negative = resample_on_correct(rewards, groups, penalties, RocConfig(16, "paper", min_negatives=1), seed=0)
     assert 31 in with_negative.kept_indices and len(with_negative.kept_indices) == 16
     assert with_negative.zero_advantage_groups == 0
     # Dropped: the group's tokens leave the batch, so they no longer dilute the token mean.
     mixed = np.concatenate([rewards, [1.0] * 16 + [0.0] * 16])
     dropped = resample_on_correct(mixed, np.repeat([0, 1], 32), np.zeros(64), RocConfig(16, "paper",
-                                                                                       zero_advantage="drop"))
+                                                                                       zero_advantage="drop"),
+                                  seed=0)
     assert dropped.dropped_zero_advantage == 1 and set(dropped.kept_indices.tolist()) <= set(range(32, 64))
     assert len(dropped.kept_indices) == 16 and dropped.stats()["roc/dropped_zero_advantage"] == 1
     # The minimum never exceeds the negatives there are, and the floor still applies above it.
     few = resample_on_correct(np.array([1.0] * 20 + [0.0] * 12), groups, penalties,
-                              RocConfig(16, "paper", min_negatives=2))
+                              RocConfig(16, "paper", min_negatives=2), seed=0)
     assert (np.array([1.0] * 20 + [0.0] * 12)[few.kept_indices] == 0).sum() == 6
     with pytest.raises(ValueError, match="min_negatives"):
         RocConfig(16, "paper", min_negatives=17)
@@ -145,7 +148,7 @@ def test_paper_variant_one_negative_options():
 
 def test_roc_input_errors():
     with pytest.raises(ValueError, match="equal 1-D"):
-        resample_on_correct([1, 0], [0], [0, 0])
+        resample_on_correct([1, 0], [0], [0, 0], seed=0)
     with pytest.raises(ValueError, match="variant"):
         RocConfig(variant="dapo")
 
@@ -158,3 +161,19 @@ def test_group_advantages_by_hand():
     np.testing.assert_allclose(adv[:4], (np.array([1, 0, 0, 1]) - 0.5) / (std0 + 1e-6), rtol=1e-6)
     np.testing.assert_allclose(adv[4:6], [0.5 / (np.sqrt(0.5) + 1e-6), -0.5 / (np.sqrt(0.5) + 1e-6)], rtol=1e-6)
     assert adv[6] == 0.0  # a group of one
+
+
+def test_the_draw_takes_its_seed_per_call():
+    """No silent fixed seed: a call must say how it draws, and different seeds draw differently."""
+    rewards = np.array([1.0] * 20 + [0.0] * 12)
+    groups, penalties = np.zeros(32, int), np.full(32, 0.5)
+    with pytest.raises(TypeError, match="seed"):
+        resample_on_correct(rewards, groups, penalties, RocConfig(16, "paper"))
+    assert "seed" not in {f.name for f in dataclasses.fields(RocConfig)}
+    draws = {tuple(resample_on_correct(rewards, groups, penalties, RocConfig(16, "paper"), seed=(7, step)).kept_indices)
+             for step in range(8)}
+    assert len(draws) > 1
+    generator = resample_on_correct(rewards, groups, penalties, RocConfig(16, "paper"),
+                                    seed=np.random.default_rng(3)).kept_indices
+    np.testing.assert_array_equal(generator, resample_on_correct(rewards, groups, penalties, RocConfig(16, "paper"),
+                                                                 seed=3).kept_indices)

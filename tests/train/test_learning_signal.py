@@ -60,6 +60,7 @@ def _run(loss: LossConfig = LossConfig()) -> list[float]:
         loss=loss,
         batch=BatchConfig(rows=16, row_length=row_length_for(200, 1), num_micro_batches=2,
                           use_sampler_logprobs=False),
+        seed=0,
         chunk_size=128,
     )
     optimizer = make_optimizer(model, OptimizerConfig(lr=3e-2, warmup_steps=0))

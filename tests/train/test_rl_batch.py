@@ -21,7 +21,7 @@ def test_prepare_batch_drops_equal_groups_and_normalises_over_kept():
         [_traj(0, 1.0, seed=i) for i in range(4)]  # all correct: dropped
         + [_traj(1, r, errors=e, seed=10 + i) for i, (r, e) in enumerate([(1, 0), (1, 1), (0, 0), (0, 0)])]
     )
-    prepared = prepare_batch(trajs, RocConfig(group_size=2, variant="paper"), BatchConfig(rows=2, row_length=16))
+    prepared = prepare_batch(trajs, RocConfig(group_size=2, variant="paper"), BatchConfig(rows=2, row_length=16), seed=0)
     assert prepared.roc.dropped_all_correct == 1 and prepared.roc.groups_kept == 1
     assert len(prepared.kept) == 2
     # Paper: floor(2 * 2 / 4) = 1 negative, 1 positive; the error-free positive has weight 1/(0 + 1e-3)
@@ -36,7 +36,7 @@ def test_prepare_batch_drops_equal_groups_and_normalises_over_kept():
 
 def test_prepare_batch_skips_a_step_with_no_signal():
     trajs = [_traj(0, 0.0, seed=i) for i in range(4)] + [_traj(1, 1.0, seed=i) for i in range(4)]
-    prepared = prepare_batch(trajs, RocConfig(group_size=2), BatchConfig(rows=2, row_length=16))
+    prepared = prepare_batch(trajs, RocConfig(group_size=2), BatchConfig(rows=2, row_length=16), seed=0)
     assert prepared.skipped and prepared.roc.dropped_all_wrong == 1 and prepared.roc.dropped_all_correct == 1
 
 
@@ -44,10 +44,10 @@ def test_prepare_batch_errors_name_the_trajectory():
     bad = _traj(3, 1.0)
     bad.loss_mask = bad.loss_mask[:-1]
     with pytest.raises(ValueError, match="loss_mask"):
-        prepare_batch([bad], RocConfig(group_size=1), BatchConfig(rows=1, row_length=16))
+        prepare_batch([bad], RocConfig(group_size=1), BatchConfig(rows=1, row_length=16), seed=0)
     with pytest.raises(ValueError, match="release variant needs"):
         prepare_batch([_traj(0, 1.0), _traj(0, 0.0)], RocConfig(group_size=1, variant="release"),
-                      BatchConfig(rows=1, row_length=16))
+                      BatchConfig(rows=1, row_length=16), seed=0)
     assert row_length_for(2048, 8192) == 10240
 
 
@@ -58,6 +58,6 @@ def test_release_variant_reads_decoded_text():
     decoded = {tuple(trajs[0].response_ids): texts[0], tuple(trajs[1].response_ids): texts[1]}
     decode = lambda ids: decoded.get(tuple(ids), "")  # noqa: E731
     prepared = prepare_batch(trajs, RocConfig(group_size=2, variant="release", min_per_class=1),
-                             BatchConfig(rows=2, row_length=16), decode=decode)
+                             BatchConfig(rows=2, row_length=16), seed=0, decode=decode)
     # Release penalties: text 0 -> 0.5 + 1.0; text 1 -> 0 + 0: the tool-using positive is kept.
     assert prepared.kept[0] is trajs[1]

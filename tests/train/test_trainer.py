@@ -57,6 +57,7 @@ def _engine_trainer(scorer, temperature=1.0):
         roc=RocConfig(group_size=2, variant="paper"),
         loss=LossConfig(),
         batch=BatchConfig(rows=2, row_length=row_length_for(1900, budget), packed=False, use_sampler_logprobs=False),
+        seed=0,
         chunk_size=512,
     )
     opt = make_optimizer(model, OptimizerConfig(lr=1e-3, warmup_steps=0))
