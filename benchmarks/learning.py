@@ -61,7 +61,7 @@ def curves(run_dir: pathlib.Path) -> dict[str, list[float]]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     evals = sorted((line for line in lines if "eval/pass@1" in line), key=lambda line: line["step"])
     steps = sorted((line for line in lines if "rollout/reward_mean" in line), key=lambda line: line["step"])
-    return {"step": [line["step"] for line in evals], **{name: [line[name] for line in evals] for name in CURVES},
+    return {"step": [line["step"] for line in evals], **{name: [line.get(name, float("nan")) for line in evals] for name in CURVES},
             "rollout_step": [line["step"] for line in steps],
             **{name: [line.get(name, float("nan")) for line in steps] for name in ROLLOUT_CURVES}}
 

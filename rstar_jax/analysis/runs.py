@@ -323,7 +323,8 @@ def cross_check_tool_use(by_step: Mapping[str, np.ndarray], rl_frame: Mapping[st
                          atol: float = 1e-9) -> CrossCheck:
     """Compares `tool_use_by_step` with the logged `rollout/*` metrics of the same steps.
 
-    The writer logs 0.0 where a ratio has no denominator; those entries match our NaN. A step with
+    A ratio without a denominator is NaN here and absent from the log (0.0 in runs written before
+    that; those match too). A step with
     rollouts but no metrics line (a run killed between the two writes) is reported as missing.
     """
     missing, mismatched = [], []
@@ -339,9 +340,9 @@ def cross_check_tool_use(by_step: Mapping[str, np.ndarray], rl_frame: Mapping[st
             if key not in rl_frame:
                 continue
             mine, theirs = float(by_step[name][ours[step]]), float(rl_frame[key][logged[step]])
-            if math.isnan(mine):
-                mine = 0.0
-            if math.isnan(theirs) or abs(mine - theirs) > atol:
+            if math.isnan(mine) and (math.isnan(theirs) or theirs == 0.0):
+                continue
+            if math.isnan(mine) or math.isnan(theirs) or abs(mine - theirs) > atol:
                 mismatched.append(f"step {step}: {name} recomputed {mine:.6g}, logged {theirs:.6g}")
     return CrossCheck(missing=missing, mismatched=mismatched)
 

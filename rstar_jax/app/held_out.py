@@ -148,13 +148,16 @@ def run_evaluation(config) -> dict:
 # -- RL's held-out evaluation ------------------------------------------------------------------------
 
 def eval_metrics(section: Mapping) -> dict[str, float]:
-    """The logged figures of a report section (`build_report`'s "overall")."""
-    return {"eval/pass@1": section["avg_at_k"], "eval/pass@1_stderr": section["avg_at_k_stderr"],
-            "eval/num_problems": section["num_questions"], "eval/tool_calls_mean": section["tool_calls_per_response"],
-            "eval/tool_error_rate": section["tool_error_rate"],
-            "eval/tool_error_rate_positive": section["tool_error_rate_positive"],
-            "eval/response_length_mean": section["mean_response_length"],
-            "eval/truncation_rate": section["truncation_rate"]}
+    """The logged figures of a report section (`build_report`'s "overall"); a rate without a
+    denominator (None in the report) is not logged."""
+    figures = {"eval/pass@1": section["avg_at_k"], "eval/pass@1_stderr": section["avg_at_k_stderr"],
+               "eval/num_problems": section["num_questions"],
+               "eval/tool_calls_mean": section["tool_calls_per_response"],
+               "eval/tool_error_rate": section["tool_error_rate"],
+               "eval/tool_error_rate_positive": section["tool_error_rate_positive"],
+               "eval/response_length_mean": section["mean_response_length"],
+               "eval/truncation_rate": section["truncation_rate"]}
+    return {name: value for name, value in figures.items() if value is not None}
 
 
 @dataclasses.dataclass

@@ -36,8 +36,9 @@ def _section(groups: Mapping[str, Sequence[dict]], k: int) -> dict:
         "mean_response_length": stats["response_length_mean"],  # model + tool tokens
         "mean_sampled_tokens": stats["sampled_tokens"] / len(records),  # model tokens only
         "tool_calls_per_response": stats["tool_calls_mean"],
-        "tool_error_rate": stats["tool_error_rate"],
-        "tool_error_rate_positive": stats["tool_error_rate_positive"],
+        # None (null in report.json) where no response called the tool, or none was correct.
+        "tool_error_rate": stats.get("tool_error_rate"),
+        "tool_error_rate_positive": stats.get("tool_error_rate_positive"),
         "truncation_rate": stats["truncation_ratio"],
         "mean_turns": stats["turns_mean"],
     }
@@ -69,8 +70,9 @@ def format_report(report: dict) -> str:
         rows.append(("overall", report["overall"]))
     for name, s in rows:
         label = name if len(name) <= 40 else "..." + name[-37:]
+        tool_error = "-" if s["tool_error_rate"] is None else f"{100 * s['tool_error_rate']:.1f}%"
         lines.append(f"{label:<40} {s['num_questions']:>9} {100 * s['avg_at_k']:>7.1f}% "
                      f"{100 * s['avg_at_k_stderr']:>6.1f}% {100 * s[f'pass_at_{k}']:>7.1f}% "
                      f"{s['mean_response_length']:>9.1f} {s['tool_calls_per_response']:>10.2f} "
-                     f"{100 * s['tool_error_rate']:>7.1f}% {100 * s['truncation_rate']:>5.1f}%")
+                     f"{tool_error:>8} {100 * s['truncation_rate']:>5.1f}%")
     return "\n".join(lines)

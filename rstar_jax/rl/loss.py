@@ -5,8 +5,9 @@ token-level mean of rStar2-Agent's Eq. 6 (one sum over every kept token, divided
 kept tokens in the global batch) stays exact under micro-batching, gradient accumulation and
 packing: callers add numerators and denominators across micro-batches and divide once.
 
-Metrics are returned in the same additive form (sums, counts, maxima, minima);
-`finalize_metrics` turns accumulated metrics into means and fractions.
+Metrics are returned in the same additive form (sums, counts, maxima, minima): `combine_metrics`
+merges two micro-batches' (`empty_metrics` is its identity, for a `lax.scan` carry) and
+`finalize_metrics` turns the accumulated ones into means and fractions on the host.
 """
 
 from __future__ import annotations
@@ -26,11 +27,40 @@ MIN_METRICS = ("ratio_min",)
 def grpo_loss(logprobs, old_logprobs, advantages, loss_mask, *, clip_low=0.2, clip_high=0.28, dual_clip=None,
               log_ratio_clamp=20.0, ref_logprobs=None, kl_coef=0.0, entropy=None, entropy_coef=0.0,
               sampler_logprobs=None):
-    """Token-level PPO-clip loss. All inputs [..., T]; `advantages` per token ([..., T], or
-    broadcastable to it) or per sequence ([...], one value per row, as `group_advantages` returns).
+    """Token-level PPO-clip loss (rStar2-Agent Eq. 6; verl's "vanilla" policy loss, token-mean).
 
-    Returns (loss_sum, token_count, metrics): the gradient of loss_sum / total_token_count is the
-    exact token-mean objective.
+    Args:
+      logprobs: [..., T] log-probs of the taken tokens under the policy being trained.
+      old_logprobs: [..., T] the same under the policy that produced the batch (π_old).
+      advantages: per token ([..., T], or broadcastable to it) or per sequence ([...], one value
+        per row, as `group_advantages` returns them); any other shape is refused.
+      loss_mask: [..., T], nonzero on the tokens that count (the model's own tokens; not the
+        prompt, tool output or padding). Masked positions may hold anything, even -inf.
+      clip_low, clip_high: the ratio's clip range [1 - clip_low, 1 + clip_high] (clip-higher:
+        DAPO's 0.2 / 0.28, the paper's).
+      dual_clip: None, or c > 1: for negative advantages the loss is at most -A·c (verl's
+        `clip_ratio_c`, 3.0 there).
+      log_ratio_clamp: log(π/π_old) is clamped to ±this before exp, for stability.
+      ref_logprobs, kl_coef: an optional k3 KL penalty to a reference policy (off in the recipe).
+      entropy, entropy_coef: optional per-token entropies and a bonus coefficient (off in the
+        recipe); given entropies are also reported.
+      sampler_logprobs: optional [..., T] log-probs the generator reported, to measure how far
+        the trainer's numbers drift from the sampler's.
+
+    Returns:
+      (loss_sum, token_count, metrics). loss_sum is the sum of the per-token losses over masked
+      tokens, token_count the number of those tokens: the gradient of
+      sum(loss_sum) / sum(token_count) over all micro-batches is the exact token-mean objective.
+      Dividing by a token_count of 0 is the caller's to avoid (`jnp.maximum(total, 1)`: a batch
+      without tokens then contributes a zero gradient). metrics, all fp32 scalars with the
+      gradient stopped, additive across micro-batches (`combine_metrics`):
+        token_count; pg_loss_sum (the clipped surrogate alone, without KL or entropy terms);
+        clip_low_count, clip_high_count, dual_clip_count (tokens whose ratio was clipped below
+        with A < 0, above with A > 0, or by the dual clip); ratio_sum, ratio_max, ratio_min
+        (π/π_old over masked tokens; max/min are ∓float32 max when there are none); kl_sum;
+        entropy_sum (only when `entropy` is given); drift_abs_sum and drift_max
+        (|logprobs − sampler_logprobs|, only when `sampler_logprobs` is given).
+      `finalize_metrics` turns them into the logged means and fractions.
     """
     mask = loss_mask.astype(jnp.float32)
     on = mask > 0
@@ -79,15 +109,14 @@ def grpo_loss(logprobs, old_logprobs, advantages, loss_mask, *, clip_low=0.2, cl
         "ratio_max": jnp.max(jnp.where(on, ratio, -big)),
         "ratio_min": jnp.min(jnp.where(on, ratio, big)),
         "kl_sum": jnp.sum(jnp.where(on, kl, 0.0)),
-        "entropy_sum": jnp.sum(jnp.where(on, entropy, 0.0)) if entropy is not None else jnp.float32(0.0),
     }
+    # Reported only when measured: an entropy or drift of 0.0 would read as a real figure.
+    if entropy is not None:
+        metrics["entropy_sum"] = jnp.sum(jnp.where(on, entropy, 0.0))
     if sampler_logprobs is not None:
         drift = jnp.where(on, jnp.abs(logprobs - sampler_logprobs), 0.0)
         metrics["drift_abs_sum"] = jnp.sum(drift)
         metrics["drift_max"] = jnp.max(drift)
-    else:
-        metrics["drift_abs_sum"] = jnp.float32(0.0)
-        metrics["drift_max"] = jnp.float32(0.0)
     return loss_sum, token_count, jax.lax.stop_gradient(metrics)
 
 
@@ -127,21 +156,32 @@ def combine_metrics(a: dict, b: dict) -> dict:
 
 
 def finalize_metrics(metrics: dict) -> dict:
-    """Means and fractions from accumulated sums (host floats)."""
+    """The logged figures (host floats) from `grpo_loss`'s metrics accumulated over a step.
+
+    `loss/tokens` (the masked tokens), and per masked token: `loss/pg` (the clipped surrogate's
+    mean), `clip/low_frac`, `clip/high_frac`, `clip/dual_frac` (fractions clipped),
+    `ratio/mean`, `ratio/max`, `ratio/min`, `kl/mean`, `entropy/mean` and
+    `drift/logprob_abs_mean`, `drift/logprob_abs_max` (the last three when measured). Without
+    tokens there is nothing to average: only `loss/tokens` (0) is returned, no 0.0 stand-ins.
+    """
     m = {k: float(v) for k, v in metrics.items()}
-    n = max(m["token_count"], 1.0)
-    out = {
+    n = m["token_count"]
+    out = {"loss/tokens": n}
+    if not n:
+        return out
+    out.update({
         "loss/pg": m["pg_loss_sum"] / n,
-        "loss/tokens": m["token_count"],
         "clip/low_frac": m["clip_low_count"] / n,
         "clip/high_frac": m["clip_high_count"] / n,
         "clip/dual_frac": m["dual_clip_count"] / n,
         "ratio/mean": m["ratio_sum"] / n,
-        "ratio/max": m["ratio_max"] if m["token_count"] else 1.0,
-        "ratio/min": m["ratio_min"] if m["token_count"] else 1.0,
+        "ratio/max": m["ratio_max"],
+        "ratio/min": m["ratio_min"],
         "kl/mean": m["kl_sum"] / n,
-        "entropy/mean": m["entropy_sum"] / n,
-        "drift/logprob_abs_mean": m["drift_abs_sum"] / n,
-        "drift/logprob_abs_max": m["drift_max"],
-    }
+    })
+    if "entropy_sum" in m:
+        out["entropy/mean"] = m["entropy_sum"] / n
+    if "drift_abs_sum" in m:
+        out["drift/logprob_abs_mean"] = m["drift_abs_sum"] / n
+        out["drift/logprob_abs_max"] = m["drift_max"]
     return out

@@ -17,7 +17,8 @@ step provides by keyword: today `entropy` (gradient stopped) and `sampler_logpro
 ones it uses and accepts the rest with `**extras`, so the step can offer more without breaking it.
 It returns a *sum* and a count, not a mean (the step divides once by the global token count, which
 keeps the token mean exact under micro-batching), and additive metrics (see `grpo_loss`; the
-trainer's `finalize_metrics` reads grpo_loss's keys, so a variant returns at least those).
+trainer's `finalize_metrics` reads grpo_loss's keys, so a variant returns at least those that
+grpo_loss always returns).
 
 An advantage estimator runs on the host over the rollouts RoC kept:
 

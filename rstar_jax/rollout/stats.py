@@ -1,8 +1,9 @@
 """Rollout figures of one step (or one evaluation): the one place they are computed.
 
 A trajectory is positive when its reward exceeds 0.5. Tool-error rates are errors / calls within
-all, positive and negative trajectories (0.0 where a class made no call); the paper's Fig. 4 tracks
-the positive one, which RoC pushes down. A format violation is an answer-tag count other than one.
+all, positive and negative trajectories; the paper's Fig. 4 tracks the positive one, which RoC
+pushes down. A ratio without a denominator (no call in that class, no positive trajectory) is
+absent, not 0: a step without tool calls has no error rate, and logging 0.0 would plot as a perfect one. A format violation is an answer-tag count other than one.
 `rollout_stats` reads live `Trajectory` objects, `record_stats` the stored records
 (`rstar_jax.rollout.records`) of the same trajectories; both give the same figures.
 """
@@ -18,8 +19,8 @@ from rstar_jax.rollout.trajectory import STOP_CONTEXT, STOP_REJECTED, Trajectory
 CORRECT_THRESHOLD = 0.5
 
 
-def _ratio(num: float, den: float) -> float:
-    return float(num) / float(den) if den else 0.0
+def _ratio(num: float, den: float) -> float | None:
+    return float(num) / float(den) if den else None
 
 
 def _summary(c: dict[str, np.ndarray]) -> dict[str, float]:
@@ -29,7 +30,7 @@ def _summary(c: dict[str, np.ndarray]) -> dict[str, float]:
     groups: dict[int, list[bool]] = {}
     for group, ok in zip(c["group_id"].tolist(), positive.tolist()):
         groups.setdefault(group, []).append(ok)
-    return {
+    summary = {
         "reward_mean": float(c["reward"].mean()),
         "pass_rate": float(positive.mean()),  # fraction of correct trajectories
         "group_solve_rate": _ratio(sum(any(g) for g in groups.values()), len(groups)),
@@ -57,6 +58,7 @@ def _summary(c: dict[str, np.ndarray]) -> dict[str, float]:
         # Trajectories cut at a generator's context length before their response budget ran out.
         "context_truncated": int(c["context_truncated"].sum()),
     }
+    return {name: value for name, value in summary.items() if value is not None}
 
 
 def rollout_stats(trajectories: Sequence[Trajectory]) -> dict[str, float]:

@@ -147,7 +147,15 @@ def test_cross_check_agrees_with_the_logged_statistics_and_catches_differences()
     frame = runs.metric_frame(lines)
     by_step = runs.tool_use_by_step(RECORDS)
     check = runs.cross_check_tool_use(by_step, frame)
-    assert check.ok, (check.missing, check.mismatched)  # NaN (no positive calls in step 2) == logged 0.0
+    assert check.ok, (check.missing, check.mismatched)
+    assert "rollout/tool_error_rate_positive" not in lines[1]  # no positive calls in step 2: absent, NaN here
+    older = runs.metric_frame([dict(line, **{"rollout/tool_error_rate_positive": line.get(
+        "rollout/tool_error_rate_positive", 0.0)}) for line in lines])
+    assert runs.cross_check_tool_use(by_step, older).ok  # runs that logged 0.0 there still agree
+    frame["rollout/tool_error_rate_negative"][1] = np.nan  # but a value logged on one side only does not
+    assert runs.cross_check_tool_use(by_step, frame).mismatched == [
+        "step 2: tool_error_rate_negative recomputed 1, logged nan"]
+    frame = runs.metric_frame(lines)
     frame["rollout/tool_error_rate_positive"][0] = 0.5
     check = runs.cross_check_tool_use(by_step, frame)
     assert check.mismatched == ["step 1: tool_error_rate_positive recomputed 0.333333, logged 0.5"]

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
@@ -188,7 +189,9 @@ def test_report_matches_a_hand_computation_from_the_records(straight):
         assert overall[f"pass_at_{j}"] == pytest.approx(expected)
     assert overall["mean_response_length"] == pytest.approx(np.mean([len(r["response_ids"]) for r in records]))
     assert overall["mean_sampled_tokens"] == pytest.approx(np.mean([sum(r["loss_mask"]) for r in records]))
-    assert overall["tool_calls_per_response"] == 0.0 and overall["tool_error_rate"] == 0.0
+    # No response called the tool: no error rate (null), and the table shows "-".
+    assert overall["tool_calls_per_response"] == 0.0 and overall["tool_error_rate"] is None
+    assert re.search(r" 0\.00 +- +\d", result.stdout), result.stdout
     assert overall["truncation_rate"] == pytest.approx(np.mean([r["truncated"] for r in records]))
     assert overall["num_questions"] == 3 and overall["num_samples"] == 3 * K
     assert report["files"] == {str(run_dir.parent / "questions.json"): overall}

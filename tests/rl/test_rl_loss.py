@@ -121,3 +121,19 @@ def test_advantages_per_sequence_apply_to_each_of_its_tokens(rows, length):
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
     with pytest.raises(ValueError, match=r"grpo_loss: advantages of shape \(2, 3\) fit neither"):
         grpo_loss(logprobs, old, np.zeros((2, 3), np.float32), mask)
+
+
+def test_metrics_without_a_denominator_are_absent_not_zero():
+    """No masked token: only the count; no entropy or sampler given: no entropy or drift figures."""
+    _, count, m = _loss([0.1, 0.2], [0.0, 0.0], [1.0, -1.0], [0, 0])
+    assert float(count) == 0 and finalize_metrics(m) == {"loss/tokens": 0.0}
+    _, _, m = _loss([0.1, 0.2], [0.0, 0.0], [1.0, -1.0], [1, 1])
+    figures = finalize_metrics(m)
+    assert not {"entropy_sum", "drift_abs_sum", "drift_max"} & set(m)
+    assert not {"entropy/mean", "drift/logprob_abs_mean", "drift/logprob_abs_max"} & set(figures)
+    assert figures["loss/tokens"] == 2 and figures["ratio/max"] == pytest.approx(np.exp(0.2), rel=1e-6)
+    _, _, m = _loss([0.1, 0.2], [0.0, 0.0], [1.0, -1.0], [1, 1], entropy=jnp.array([1.0, 3.0]),
+                    sampler_logprobs=jnp.array([0.0, 0.0]))
+    figures = finalize_metrics(m)
+    assert figures["entropy/mean"] == pytest.approx(2.0)
+    assert figures["drift/logprob_abs_mean"] == pytest.approx(0.15) and figures["drift/logprob_abs_max"] == pytest.approx(0.2)

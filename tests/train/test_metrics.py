@@ -127,6 +127,15 @@ def test_rollout_stats_by_hand():
     assert s["response_length_mean"] == pytest.approx(80 / 5) and s["response_length_max"] == 30
     assert s["truncation_ratio"] == pytest.approx(1 / 5)
     assert s["sampled_tokens"] == 80 and s["retractions"] == 0
+    # A ratio without a denominator is absent, not 0.0: no call made, no positive trajectory.
+    silent = rollout_stats([_traj(0, 0.0, calls=0, errors=0, answers=1, length=5),
+                            _traj(0, 0.0, calls=2, errors=0, answers=1, length=5)])
+    assert silent["tool_error_rate"] == 0.0 and silent["tool_error_rate_negative"] == 0.0
+    assert "tool_error_rate_positive" not in silent and "tool_calls_mean_positive" not in silent
+    no_calls = rollout_stats([_traj(0, 1.0, calls=0, errors=0, answers=1, length=5)])
+    assert not {"tool_error_rate", "tool_error_rate_positive", "tool_error_rate_negative",
+                "tool_calls_mean_negative"} & set(no_calls)
+    assert no_calls["tool_calls_mean"] == 0.0 and no_calls["tool_calls_mean_positive"] == 0.0
     with pytest.raises(ValueError, match="no trajectories"):
         rollout_stats([])
 
