@@ -2,8 +2,9 @@
 
 `extract_answer` follows the rStar2 rule (spec §1.6): the last `\\boxed{...}` (or `\\fbox{...}`) inside
 the last `<answer>...</answer>` block; fallbacks: the last `\\boxed{}` anywhere, then an "answer is X"
-phrase, then the bare content of the answer block. Braces are matched, so nested groups such as
-`\\boxed{\\frac{1}{2}}` come out whole.
+phrase. An answer block without a box (`<answer>7</answer>`) gives no answer: the prompt tells the
+model its answer is read from `\\boxed{}`, and the release's grader scores such a response 0.
+Braces are matched, so nested groups such as `\\boxed{\\frac{1}{2}}` come out whole.
 
 `is_equivalent` compares after string/number normalisation, then with math-verify, the gold answer
 wrapped as `\\boxed{gold}` as in the release. math-verify's own signal-based timeouts are disabled
@@ -67,8 +68,6 @@ def extract_answer(text: str) -> str | None:
             answer = _strip_math_delimiters(phrases[-1])
             if answer:
                 return answer
-    if blocks and blocks[-1].strip():
-        return _strip_math_delimiters(blocks[-1])
     return None
 
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow  # a sandbox server subprocess
     ("no answer block but \\boxed{5} and later \\boxed{6}", "6"),
     ("\\boxed 8 is it", "8"),
     ("Therefore, the final answer is $42$.", "42"),
-    ("<answer>17</answer>", "17"),
+    ("<answer>17</answer>", None),  # no box: the release scores it 0, and the prompt asks for \boxed{}
     ("\\boxed{3} <answer>\\boxed{unclosed</answer>", "3"),  # an unclosed box is skipped
     ("nothing here", None),
     ("", None),
