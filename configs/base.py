@@ -161,7 +161,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.roc_zero_advantage = "keep"
     c.rl.clip_low = 0.2  # spec §5.3: clip 0.2 / 0.28 (clip-higher)
     c.rl.clip_high = 0.28
-    c.rl.dual_clip = config_dict.placeholder(float)  # None = off; verl's clip_ratio_c is 3.0
+    # Dual-clip: for A < 0 the loss is at most -A * 3.0. The release always applies it (verl's
+    # clip_ratio_c = 3.0); it binds only where the ratio is far from 1 (a ratio above 3 with a negative
+    # advantage). None turns it off; GSPO (rl.ratio_level = "sequence") has none.
+    c.rl.dual_clip = 3.0
     c.rl.kl_coef = 0.0  # spec §5.3: no KL term (validation refuses > 0: there is no reference policy)
     c.rl.entropy_coef = 0.0  # spec §5.3: no entropy term
     # The objective by name (rstar_jax.rl.registry): a new variant is a registered function and this value.

@@ -9,7 +9,7 @@ from rstar_jax.config import REPO_CONFIGS, ConfigError, load_config_file, resolv
 CARRIED = [
     ("rl.clip_low", 0.15, resolve.loss_config, "clip_low"),
     ("rl.clip_high", 0.3, resolve.loss_config, "clip_high"),
-    ("rl.dual_clip", 3.0, resolve.loss_config, "dual_clip"),
+    ("rl.dual_clip", 2.5, resolve.loss_config, "dual_clip"),
     ("rl.entropy_coef", 0.01, resolve.loss_config, "entropy_coef"),
     ("rl.group_size", 2, resolve.roc_config, "group_size"),
     ("rl.roc_variant", "release", resolve.roc_config, "variant"),
