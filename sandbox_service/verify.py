@@ -132,7 +132,11 @@ def is_equivalent(pred: str, gold: str) -> bool:
     pf, gf = _as_fraction(p), _as_fraction(g)
     if pf is not None and gf is not None:
         return pf == gf
-    from math_verify import parse, verify  # heavy import: only when the cheap checks are undecided
+    try:  # heavy import: only when the cheap checks are undecided
+        from math_verify import parse, verify
+    except ImportError as e:  # an optional extra: the base install is the library without it
+        raise ImportError(f"checking this answer needs the `math-verify` package ({e}): "
+                          "pip install 'rstar-jax[train]' (or [sandbox])") from e
 
     gold_parsed = parse(f"\\boxed{{{gold}}}", parsing_timeout=None)
     pred_parsed = parse(f"\\boxed{{{pred}}}", parsing_timeout=None)

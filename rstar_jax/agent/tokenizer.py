@@ -132,7 +132,11 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str | os.PathLike, generation_config: str | os.PathLike | None = None):
-        from tokenizers import Tokenizer as _Tokenizer
+        try:
+            from tokenizers import Tokenizer as _Tokenizer
+        except ImportError as e:  # an optional extra: the base install is the library without it
+            raise ImportError(f"HFTokenizer needs the `tokenizers` package ({e}): "
+                              "pip install 'rstar-jax[train]' (or [serve])") from e
 
         path = pathlib.Path(path)
         file = path / "tokenizer.json" if path.is_dir() else path
