@@ -7,32 +7,28 @@ beside the memory plan and an MI300X's and an H100's memory (see `rstar_jax.app.
 
 from __future__ import annotations
 
-import sys
-
-import jax
 from absl import flags
 
 from rstar_jax.config.cli import config_command
 from rstar_jax.config import DEFAULT_CONFIG
-from rstar_jax.parallel import make_mesh
-from rstar_jax.app import builders
-from rstar_jax.app.aot import compile_engine, compile_steps, report
 
+LIBRARIES = ("jax", "rstar_jax.app.aot")  # imported by run(), after the flags are parsed
 _DEVICES = flags.DEFINE_integer("devices", 64, "Devices of the abstract cluster (fake CPU devices).")
 _GENERATION_TP = flags.DEFINE_integer("generation_tp", 4, "Tensor-parallel size of a generation replica (the "
                                       "release served the 14B policy at TP 4); 0 skips the engine.")
 
 
-def _devices_requested(argv) -> int:
-    for i, arg in enumerate(argv):
-        if arg.startswith("--devices="):
-            return int(arg.split("=", 1)[1])
-        if arg == "--devices" and i + 1 < len(argv):
-            return int(argv[i + 1])
-    return _DEVICES.default
-
-
 def run(config) -> None:
+    import jax
+
+    # The abstract cluster: that many CPU devices, set before JAX starts its backend.
+    jax.config.update("jax_platforms", "cpu")
+    jax.config.update("jax_num_cpu_devices", _DEVICES.value)
+
+    from rstar_jax.app import builders
+    from rstar_jax.app.aot import compile_engine, compile_steps, report
+    from rstar_jax.parallel import make_mesh
+
     mesh = make_mesh(*builders.check_mesh(config, jax.device_count()))
     steps = compile_steps(config, mesh)
     if _GENERATION_TP.value:
@@ -41,10 +37,7 @@ def run(config) -> None:
 
 
 def main() -> None:
-    # The abstract cluster: that many CPU devices, set before JAX starts its backend.
-    jax.config.update("jax_platforms", "cpu")
-    jax.config.update("jax_num_cpu_devices", _devices_requested(sys.argv))
-    config_command(DEFAULT_CONFIG, run, check_files=False)
+    config_command(DEFAULT_CONFIG, run, check_files=False, libraries=LIBRARIES)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,21 @@ from __future__ import annotations
 
 from rstar_jax.config.cli import config_command
 from rstar_jax.config import REPO_CONFIGS
-from rstar_jax.app.held_out import run_evaluation
+
+LIBRARIES = ("rstar_jax.app.held_out",)  # imported by run(), after the flags are parsed
+
+
+def run(config) -> None:
+    from rstar_jax.app.held_out import run_evaluation
+
+    run_evaluation(config)
 
 
 def main() -> None:
     def prepare(config) -> None:
         config.mode = "eval"
 
-    config_command(REPO_CONFIGS / "eval.py", run_evaluation, prepare=prepare)
+    config_command(REPO_CONFIGS / "eval.py", run, prepare=prepare, libraries=LIBRARIES)
 
 
 if __name__ == "__main__":

@@ -15,13 +15,20 @@ from __future__ import annotations
 
 from rstar_jax.config.cli import config_command
 from rstar_jax.config import DEFAULT_CONFIG, check_filter_hard
-from rstar_jax.app.held_out import run_filter_hard
+
+LIBRARIES = ("rstar_jax.app.held_out",)  # imported by run(), after the flags are parsed
+
+
+def run(config) -> None:
+    from rstar_jax.app.held_out import run_filter_hard
+
+    run_filter_hard(config)
 
 
 def main() -> None:
     # A stage-3 config's data.train_files is this command's output: it need not exist yet, so the
     # file checks are those of check_filter_hard (inputs, policy), not the RL mode's.
-    config_command(DEFAULT_CONFIG, run_filter_hard, check_files=False, check=check_filter_hard)
+    config_command(DEFAULT_CONFIG, run, check_files=False, check=check_filter_hard, libraries=LIBRARIES)
 
 
 if __name__ == "__main__":

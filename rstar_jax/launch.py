@@ -8,14 +8,18 @@ from __future__ import annotations
 
 from rstar_jax.config.cli import config_command
 from rstar_jax.config import DEFAULT_CONFIG
-from rstar_jax.parallel import maybe_initialize_distributed, multihost
-from rstar_jax.app.held_out import run_evaluation
-from rstar_jax.app.stage import run_stage
 
 SUMMARY_KEYS = ("sft/loss", "rollout/reward_mean", "update/loss")
+# What run() imports (JAX and the rest): after the flags are parsed, so that --help and config
+# mistakes answer at once.
+LIBRARIES = ("rstar_jax.app.held_out", "rstar_jax.app.stage")
 
 
 def run(config) -> None:
+    from rstar_jax.app.held_out import run_evaluation
+    from rstar_jax.app.stage import run_stage
+    from rstar_jax.parallel import maybe_initialize_distributed, multihost
+
     if config.mode == "eval":
         run_evaluation(config)
         return
@@ -31,7 +35,7 @@ def run(config) -> None:
 
 
 def main() -> None:
-    config_command(DEFAULT_CONFIG, run)
+    config_command(DEFAULT_CONFIG, run, libraries=LIBRARIES)
 
 
 if __name__ == "__main__":

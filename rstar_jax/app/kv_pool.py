@@ -8,9 +8,6 @@ import logging
 import os
 from typing import Callable
 
-import jax
-import jax.numpy as jnp
-
 from rstar_jax.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -30,6 +27,9 @@ def kv_pool_tokens(model, mesh, *, mem_fraction: float, context_length: int, fal
     decides). `fallback` where a device reports no memory statistics (CPU); refused when it would not
     fit `mem_fraction` of the host's memory, where that is known. `mesh` None: the default device.
     `report` (default: this module's logger) receives the sizing line."""
+    import jax  # here: `python -m rstar_jax.serve --help` imports this module, and needs no JAX
+    import jax.numpy as jnp
+
     report = report or log.info
     c = model.config
     tensor = mesh.shape.get("tensor", 1) if mesh is not None else 1

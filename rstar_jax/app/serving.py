@@ -15,10 +15,7 @@ import pathlib
 
 from rstar_jax.agent.tokenizer import HFTokenizer
 from rstar_jax.errors import UserError
-from rstar_jax.model.hf import hf_tensor, update_from_hf_tensors
-from rstar_jax.engine.server import serve
 from rstar_jax.engine.textgen import JinjaChatTemplate
-from rstar_jax.app.builders import engine_for, serving_policy
 from rstar_jax.app.kv_pool import kv_pool_tokens
 
 log = logging.getLogger("rstar_jax.serve")
@@ -54,6 +51,11 @@ def load_text(args) -> tuple[HFTokenizer | None, str | None, JinjaChatTemplate |
 
 async def run(args) -> None:
     """Serves as `args` (from `parser()`, checked by `check`) say, until cancelled."""
+    # Here rather than at the top: `python -m rstar_jax.serve --help` and bad flags need none of it.
+    from rstar_jax.app.builders import engine_for, serving_policy
+    from rstar_jax.engine.server import serve
+    from rstar_jax.model.hf import hf_tensor, update_from_hf_tensors
+
     tokenizer, tokenizer_path, chat_template = await asyncio.to_thread(load_text, args)
     model, mesh, eos, load_weights = await asyncio.to_thread(serving_policy, args.model_path, tp_size=args.tp_size,
                                                              seed=args.random_seed)

@@ -9,7 +9,7 @@ Configs come from a file, then change on the command line (`--config.a.b=v`, par
     config = validate(config)          # every problem at once; locked against new fields
 
 `validate` runs before any heavy work and raises one `ConfigError` listing every problem, one line
-each, naming the field (`config.rl.clip_high: must be in [0.0, inf], got -1`): unknown and missing
+each, naming the field (`config.rl.clip_high: must be >= 0, got -1`): unknown and missing
 fields (with did-you-mean suggestions), types, ranges, enums and cross-field rules. With
 `check_files=True` (what `launch`, `evaluate` and `filter_hard` use) it also checks the run's
 inputs: the files and directories the mode reads (training, SFT and evaluation files, the policy,
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 import pathlib
 import re
 from collections.abc import Callable, Iterable, Sequence
@@ -68,6 +69,16 @@ BAD_ROW_POLICIES = ("error", "skip")
 ROLLOUT_BACKENDS = ("jax", "sglang")
 SCHEDULERS = ("kv", "round_robin")
 FILTER_HARD_FORMATS = ("json", "jsonl", "parquet")
+
+# Bounds on values that pass as numbers but cannot work.
+MAX_TEMPERATURE = 10.0  # generous: past a few, sampling is near uniform over the vocabulary
+MAX_LR = 1.0  # Adam moves each weight by about the rate per step: more wipes out any initialisation
+MAX_SECONDS = 86400.0  # timeouts and intervals: a day (the local verifier's poll() overflows at ~24.8 days)
+MAX_SEED = 2**63  # jax.random.key takes an int64
+# What the local sandbox server (sandbox.launch_local) accepts per call: sandbox_service.server's
+# ServerOptions defaults (--max_timeout_s, --max_memory_mb), which `builders.sandbox` leaves as they are.
+LOCAL_SANDBOX_MAX_TIMEOUT_S = 300.0
+LOCAL_SANDBOX_MAX_MEMORY_MB = 32768
 
 
 # -- loading --------------------------------------------------------------------------------------
@@ -180,12 +191,17 @@ class Checker:
         try:
             return make()
         except TypeError:
+            if not self.problems:
+                raise  # no mistyped field to explain it: a bug, not the user's
             return None  # a field of the wrong type, already reported by the schema check
         except ConfigError as e:
             for problem in e.problems:
-                self.problems.append(problem)
                 match = _FIELD.match(problem)
-                self._failed.append(match.group(1) if match else "")
+                field = match.group(1) if match else ""
+                if field and not self.ok(field):
+                    continue  # already reported by an earlier check (a nan the dataclass also refuses)
+                self.problems.append(problem)
+                self._failed.append(field)
             return None
 
     def value(self, field: str) -> Any:
@@ -221,9 +237,13 @@ class Checker:
             good = value > low if low_open else value >= low
         if good and high is not None:
             good = value < high if high_open else value <= high
-        lo, hi = "(" if low_open else "[", ")" if high_open else "]"
-        return self.require(good, field, f"must be in {lo}{low if low is not None else '-inf'}, "
-                                         f"{high if high is not None else 'inf'}{hi}, got {value!r}")
+        if high is None and low is not None:
+            allowed = f"{'>' if low_open else '>='} {low}"
+        elif low is None and high is not None:
+            allowed = f"{'<' if high_open else '<='} {high}"
+        else:
+            allowed = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        return self.require(good, field, f"must be {allowed}, got {value!r}")
 
     def strings(self, field: str) -> tuple[str, ...]:
         """The field as a tuple of non-empty strings (() after a problem)."""
@@ -305,8 +325,10 @@ def _check_schema(check: Checker, config: ml_collections.ConfigDict, schema: ml_
         if kind in (tuple, list):
             check.require(isinstance(value, (tuple, list)), field, f"must be a tuple, got {value!r}")
             continue
-        check.require(isinstance(value, kind) and not (kind is int and isinstance(value, bool)), field,
-                      f"must be {kind.__name__}, got {type(value).__name__} {value!r}")
+        if check.require(isinstance(value, kind) and not (kind is int and isinstance(value, bool)), field,
+                         f"must be {kind.__name__}, got {type(value).__name__} {value!r}") and kind is float:
+            # nan passes every `x < bound` check, and no field means anything by inf.
+            check.require(math.isfinite(value), field, f"must be a finite number, got {value!r}")
     for key in schema.keys():
         if key not in config:
             complete = check.fail(f"{prefix}{key}", "missing (every field of configs/base.py must be present)")
@@ -322,8 +344,13 @@ def _check_mesh_fields(check: Checker) -> None:
         value = mesh.get(axis)
         sizes_ok &= check.require(_is_int(value) and (value >= 1 or value == -1), f"mesh.{axis}",
                                   f"must be a positive integer or -1, got {value!r}")
-    if sizes_ok:
-        check.require(sum(mesh[a] == -1 for a in MESH_AXES) <= 1, "mesh", "at most one axis may be -1")
+    remaining = [a for a in MESH_AXES if mesh[a] == -1] if sizes_ok else []
+    # Blame the axes beside the one that takes the rest: fsdp, where base.py puts it.
+    keep = "fsdp" if "fsdp" in remaining else remaining[0] if remaining else None
+    for axis in remaining:
+        if axis != keep:
+            check.fail(f"mesh.{axis}", f"only one axis may be -1 (the remaining devices) and mesh.{keep} is -1: "
+                                       f"give mesh.{axis} a size, got -1")
     rules = mesh.rules
     if not check.require(isinstance(rules, (tuple, list)), "mesh.rules",
                          "must be a tuple of (logical name, mesh axes) pairs"):
@@ -400,10 +427,6 @@ def check_filter_hard(config: ml_collections.ConfigDict, *, check_files: bool = 
     check.require(bool(f.checkpoint_dir or config.model.hf_path or config.train.init_from or f.generator_urls),
                   "filter_hard.checkpoint_dir", "filtering needs a policy: set filter_hard.checkpoint_dir, "
                   "model.hf_path, train.init_from or filter_hard.generator_urls")
-    check.require(f.temperature is None or f.temperature >= 0, "filter_hard.temperature",
-                  f"must be >= 0 (or None: rollout.temperature), got {f.temperature}")
-    check.require(f.max_turns is None or f.max_turns >= 1, "filter_hard.max_turns",
-                  f"must be >= 1 (or None: rollout.max_turns), got {f.max_turns}")
     _check_tokenizer_source(check)
     if check_files:
         if check.ok(field):
@@ -440,8 +463,9 @@ def _check_values(check: Checker) -> None:
     config = check.config
     check.enum("mode", MODES)
     check.non_empty("run_dir", "a non-empty path")
-    if check.ok("seed"):
-        check.require(_is_int(config.seed), "seed", f"must be an integer, got {config.seed!r}")
+    if check.ok("seed"):  # numpy's SeedSequence refuses negative seeds (sampling seeds, RoC's draw)
+        check.require(_is_int(config.seed) and 0 <= config.seed < MAX_SEED, "seed",
+                      f"must be an integer in [0, 2**63) (numpy and JAX seeds), got {config.seed!r}")
     check.non_empty("stage", "a non-empty label")
 
     model = check.build(lambda: resolve.model_config(config)) if check.ok("model") else None
@@ -456,6 +480,7 @@ def _check_values(check: Checker) -> None:
         check.require(isinstance(value, str) and value and all(value.split(".")), f"data.{key}",
                       f"must be 'auto' or a dotted path like 'reward_model.ground_truth', got {value!r}")
     check.positive_int("data.num_prompts_per_step")
+    check.positive_int("data.shuffle_seed", allow_zero=True)  # numpy's default_rng refuses negative seeds
     check.positive_int("data.synthetic.num_train")
     check.positive_int("data.synthetic.num_eval")
     if check.ok("data.synthetic.sft_stages"):
@@ -474,8 +499,12 @@ def _check_values(check: Checker) -> None:
     check.range("data.synthetic.difficulty", 1, 3)
     for kind in check.strings("data.synthetic.kinds"):
         check.require(kind in GENERATORS, "data.synthetic.kinds", f"unknown kind {kind!r}; known: {sorted(GENERATORS)}")
-    check.strings("data.train_files")
+    train_files = check.strings("data.train_files")
     check.strings("data.eval_files")
+    if config.data.synthetic.enabled and train_files:  # builders.prepare_data would ignore them
+        check.fail("data.train_files", "data.synthetic.enabled=True generates the training problems into run_dir, "
+                                       "so these files would be ignored: set data.synthetic.enabled=False to train "
+                                       "on them, or leave data.train_files empty")
 
     # Rollout.
     r = config.rollout
@@ -485,7 +514,7 @@ def _check_values(check: Checker) -> None:
     check.enum("rollout.kv_scheduler.reservation", RESERVATIONS)
     check.range("rollout.kv_scheduler.new_token_ratio", 0, 1, low_open=True)
     check.range("rollout.kv_scheduler.budget_fraction", 0, 1, low_open=True)
-    check.range("rollout.kv_scheduler.reconcile_interval_s", 0, None)
+    check.range("rollout.kv_scheduler.reconcile_interval_s", 0.0, MAX_SECONDS)
     check.positive_int("rollout.kv_scheduler.group_block")
     check.enum("rollout.template", TEMPLATE_STYLES)
     # Turns, budget, sampling and the tool protocol: the rollout loop's own checks, for RL's
@@ -506,7 +535,15 @@ def _check_values(check: Checker) -> None:
         check.require(_is_int(chunk) and chunk >= -1, "rollout.engine.chunked_prefill_size",
                       f"must be a positive integer, or 0 or -1 (off), got {chunk!r}")
     # Training log-probs divide the logits by the sampling temperature: RL cannot sample greedily.
-    check.range("rollout.temperature", 0.0, None, low_open=True)
+    check.range("rollout.temperature", 0.0, MAX_TEMPERATURE, low_open=True)
+    check.range("eval.temperature", 0.0, MAX_TEMPERATURE)  # 0: greedy
+    f = config.filter_hard  # None: the rollout's
+    if check.ok("filter_hard.temperature") and f.temperature is not None:
+        check.require(0 <= f.temperature <= MAX_TEMPERATURE, "filter_hard.temperature",
+                      f"must be >= 0 and <= {MAX_TEMPERATURE} (or None: rollout.temperature), got {f.temperature!r}")
+    if check.ok("filter_hard.max_turns") and f.max_turns is not None:
+        check.require(f.max_turns >= 1, "filter_hard.max_turns",
+                      f"must be >= 1 (or None: rollout.max_turns), got {f.max_turns!r}")
     check.non_empty("rollout.tool_name", "the tool's name")
     local_servers_ok = check.positive_int("rollout.local_servers", allow_zero=True)
     if r.backend == "sglang" and local_servers_ok and check.ok("rollout.servers"):
@@ -530,6 +567,10 @@ def _check_values(check: Checker) -> None:
     # RL: RoC's and the loss's own checks, then what spans fields.
     rl = config.rl
     check.build(lambda: resolve.roc_config(config))
+    if check.ok("rl.roc_min_per_class", "rl.group_size"):  # more makes the release counts in rl/roc.py negative
+        check.require(rl.roc_min_per_class <= rl.group_size // 2, "rl.roc_min_per_class",
+                      f"must be at most rl.group_size // 2 = {rl.group_size // 2} (the release variant keeps this "
+                      f"many negatives and this many positives among rl.group_size), got {rl.roc_min_per_class}")
     check.build(lambda: resolve.loss_config(config))
     # Equal sizes are allowed: G of G is plain GRPO with tools, the paper's RoC ablation (§5.3).
     if check.ok("rl.group_size", "rollout.rollouts_per_prompt"):
@@ -564,13 +605,18 @@ def _check_values(check: Checker) -> None:
 
     # SFT.
     check.positive_int("sft.epochs")
-    check.range("sft.warmup_ratio", 0.0, 1.0)
-    check.build(lambda: resolve.sft_optimizer_config(config, 1 << 30))
+    if check.range("sft.warmup_ratio", 0.0, 1.0):  # the SFT warm-up is round(warmup_ratio x steps)
+        check.build(lambda: resolve.sft_optimizer_config(config, 1 << 30))
+    _check_optimizer_bounds(check)
     check.positive_int("sft.batch_size")
     if check.positive_int("sft.max_length") and model is not None:
         check.require(config.sft.max_length <= model.max_position_embeddings, "sft.max_length",
                       f"exceeds the model's max_position_embeddings {model.max_position_embeddings}")
     sft_files = check.strings("sft.train_files")
+    if config.data.synthetic.enabled and sft_files:  # builders.prepare_data would ignore them
+        check.fail("sft.train_files", "data.synthetic.enabled=True generates the SFT conversations into run_dir "
+                                      "(data.synthetic.sft_stages), so these files would be ignored: set "
+                                      "data.synthetic.enabled=False to train on them, or leave sft.train_files empty")
     templates = check.strings("sft.templates")
     check.require(all(t in CONVERSATION_TEMPLATES for t in templates), "sft.templates",
                   f"each must be one of {CONVERSATION_TEMPLATES}, got {templates!r}")
@@ -595,8 +641,8 @@ def _check_values(check: Checker) -> None:
     bad = [m for m in check.strings("sandbox.preimport_modules") if not _MODULE_NAME.fullmatch(m)]
     check.require(not bad, "sandbox.preimport_modules",
                   f"{bad[0] if bad else ''!r} is not a module name (dotted Python identifiers, e.g. 'scipy.stats')")
-    check.range("sandbox.verify_timeout_s", 0.0, None, low_open=True)
     env = check.build(lambda: resolve.tool_env(config))  # sandbox.preset and the fields that override it
+    _check_sandbox_limits(check, env)
     if check.enum("sandbox.verify_via", SCORER_MODES) and fusion:
         check.require(s.verify_via == "local", "sandbox.verify_via",
                       "must be 'local' with sandbox.api='sandbox_fusion': SandboxFusion has no Verify")
@@ -614,10 +660,11 @@ def _check_values(check: Checker) -> None:
     if config.mode in ("rl", "eval") and check.ok("sandbox.targets"):
         check.require(s.launch_local or len(targets) > 0, "sandbox.targets",
                       "tool calls need a sandbox: list targets or set sandbox.launch_local=True")
-    check.require(_is_number(config.rollout.ready_timeout_s) and config.rollout.ready_timeout_s > 0,
-                  "rollout.ready_timeout_s", f"must be > 0, got {config.rollout.ready_timeout_s!r}")
-    check.require(_is_number(config.rollout.generate_timeout_s) and config.rollout.generate_timeout_s >= 0,
-                  "rollout.generate_timeout_s", f"must be >= 0 (0: no limit), got {config.rollout.generate_timeout_s!r}")
+    check.range("rollout.ready_timeout_s", 0.0, MAX_SECONDS, low_open=True)
+    if check.ok("rollout.generate_timeout_s"):
+        timeout = config.rollout.generate_timeout_s
+        check.require(_is_number(timeout) and 0 <= timeout <= MAX_SECONDS, "rollout.generate_timeout_s",
+                      f"must be in [0.0, {MAX_SECONDS}] (0: no limit), got {timeout!r}")
     every_ok = check.positive_int("checkpoint.every_steps")
     check.require(config.checkpoint.export_dtype in ("", *DTYPE_NAMES), "checkpoint.export_dtype",
                   f"must be '' (the model's param_dtype) or one of {DTYPE_NAMES}, got {config.checkpoint.export_dtype!r}")
@@ -638,6 +685,47 @@ def _check_values(check: Checker) -> None:
     check.strings("filter_hard.input_files")
     check.optional_step("filter_hard.checkpoint_step")
     check.urls("filter_hard.generator_urls")
+
+
+def _check_optimizer_bounds(check: Checker) -> None:
+    """What AdamW's settings (`OptimizerConfig`, built above) take but no run survives."""
+    config = check.config
+    for field in ("optim.lr", "sft.lr"):
+        check.range(field, 0.0, MAX_LR, low_open=True)
+    if check.ok("optim.grad_clip"):
+        check.require(config.optim.grad_clip > 0, "optim.grad_clip",
+                      f"must be > 0.0 (gradients are clipped to this global norm: 0 zeroes every update), "
+                      f"got {config.optim.grad_clip!r}")
+    # Decoupled decay scales the weights by 1 - lr x weight_decay each step, RL's rate and SFT's alike.
+    if check.ok("optim.weight_decay", "optim.lr", "sft.lr"):
+        o = config.optim
+        check.require(o.weight_decay * max(o.lr, config.sft.lr) < 1, "optim.weight_decay",
+                      f"must be >= 0 with weight_decay x the learning rate below 1 (AdamW scales the weights by "
+                      f"1 - lr x weight_decay each step; optim.lr {o.lr:g}, sft.lr {config.sft.lr:g}), "
+                      f"got {o.weight_decay!r}")
+
+
+def _check_sandbox_limits(check: Checker, env) -> None:
+    """Per-call limits the sandbox takes: the local server's (launch_local) refuses to start past its
+    maxima; any timeout is at most a day."""
+    s = check.config.sandbox
+    local = s.launch_local is True
+    limit = LOCAL_SANDBOX_MAX_TIMEOUT_S if local else MAX_SECONDS
+    why = ("with sandbox.launch_local=True: the local sandbox server refuses longer calls (its --max_timeout_s)"
+           if local else "(a day)")
+    if check.ok("sandbox.verify_timeout_s"):
+        timeout = s.verify_timeout_s
+        check.require(_is_number(timeout) and 0 < timeout <= limit, "sandbox.verify_timeout_s",
+                      f"must be > 0 and at most {limit:g} s {why}, got {timeout!r}")
+    if env is None:
+        return
+    if s.timeout_s is not None:  # the presets' own are within both
+        check.require(env.timeout_s <= limit, "sandbox.timeout_s", f"must be at most {limit:g} s {why}, "
+                                                                   f"got {env.timeout_s!r}")
+    if local and s.memory_mb is not None:
+        check.require(env.memory_mb <= LOCAL_SANDBOX_MAX_MEMORY_MB, "sandbox.memory_mb",
+                      f"must be at most {LOCAL_SANDBOX_MAX_MEMORY_MB} with sandbox.launch_local=True: the local "
+                      f"sandbox server refuses more (its --max_memory_mb), got {env.memory_mb!r}")
 
 
 def _check_weight_sync(check: Checker) -> None:

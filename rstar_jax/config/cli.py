@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib
 import os
 import re
 import sys
@@ -209,6 +210,7 @@ def config_command(default_config: str | os.PathLike, run: Callable[[ConfigDict]
                    check_files: bool | flags.FlagHolder = True,
                    check: Callable[[ConfigDict], object] | None = None,
                    user_errors: tuple[type[BaseException], ...] = (),
+                   libraries: Sequence[str] = (),
                    argv: Sequence[str] | None = None,
                    flag_values: flags.FlagValues = flags.FLAGS) -> None:
     """Parses `--config=FILE` (default `default_config`) and its overrides, validates, runs `run(config)`.
@@ -218,6 +220,10 @@ def config_command(default_config: str | os.PathLike, run: Callable[[ConfigDict]
     check: a command's own preconditions (`check_filter_hard`); its ConfigError's problems are
         reported with validate's.
     user_errors: exception types from `run` reported like a UserError (exit 2, no traceback).
+    libraries: the modules `run` imports (JAX, grain, orbax, ...), which the command imports there,
+        after the flags are parsed, so that --help and config mistakes answer in a moment. They are
+        imported before parsing only when the command line names a flag not defined yet (grain's and
+        orbax's absl flags) or asks for --helpfull.
     Command-specific absl flags are defined before calling this; absl logging defaults to WARNING
     unless --verbosity is given (orbax logs every save at INFO).
     """
@@ -229,6 +235,9 @@ def config_command(default_config: str | os.PathLike, run: Callable[[ConfigDict]
     if any(arg in HELP_FLAGS for arg in argv[1:]):
         print(usage(str(default_config), flag_values))
         sys.exit(0)
+    if libraries and _names_undefined_flags(argv, flag_values):
+        for module in libraries:
+            importlib.import_module(module)
     path, index = _config_file(argv, str(default_config))
     try:
         loaded = load_config_file(path)
@@ -278,6 +287,23 @@ def config_command(default_config: str | os.PathLike, run: Callable[[ConfigDict]
             sys.exit(EXIT_INTERRUPTED)
 
     app.run(main, argv=argv, flags_parser=parse)
+
+
+def _names_undefined_flags(argv: Sequence[str], flag_values: flags.FlagValues) -> bool:
+    """Whether argv holds a flag that is not defined yet (besides --config and its overrides), or
+    --helpfull / --helpxml, which list every flag."""
+    for arg in argv[1:]:
+        if arg == "--":
+            break
+        if not arg.startswith("-") or _CONFIG_FILE.match(arg) or _OVERRIDE.match(arg):
+            continue
+        name = arg.lstrip("-").partition("=")[0]
+        if name in ("helpfull", "helpxml"):
+            return True
+        if name not in ("undefok", "flagfile") and name not in flag_values \
+                and not (name.startswith("no") and name[2:] in flag_values):
+            return True
+    return False
 
 
 def usage(default_config: str, flag_values: flags.FlagValues = flags.FLAGS) -> str:

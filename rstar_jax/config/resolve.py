@@ -94,11 +94,30 @@ def model_config(config: ml_collections.ConfigDict, stored: dict | None = None) 
         if message.startswith("unknown model preset"):
             raise ConfigError(f"{where}.preset: {message}") from None
         name, _, rest = message.removeprefix("Qwen3Config.").partition(" ")
+        if message.startswith("Qwen3Config.num_heads (") and "multiple of num_kv_heads" in message:
+            raise ConfigError(_heads_problem(where, preset, overrides)) from None
         if message.startswith("Qwen3Config.") and name in ("dtype", "param_dtype", "remat_policy", "attention_impl"):
             raise ConfigError(f"{where}.{name}: {rest}") from None
         if message.startswith("Qwen3Config.") and name in m.overrides:
             raise ConfigError(f"{where}.overrides.{name}: {rest}") from None
         raise ConfigError(f"{where}: {message}") from None
+
+
+def _heads_problem(where: str, preset: str, overrides: dict) -> str:
+    """num_heads not a multiple of num_kv_heads, on the one the user set: num_kv_heads when it is
+    overridden (alone, or above num_heads), else num_heads."""
+    heads = overrides.get("num_heads")
+    kv_heads = overrides.get("num_kv_heads")
+    shape = Qwen3Config.preset(preset)  # a known preset: the heads rule runs after the name is checked
+    given = {"num_heads": shape.num_heads if heads is None else heads,
+             "num_kv_heads": shape.num_kv_heads if kv_heads is None else kv_heads}
+    whose = {name: "" if name in overrides else f", {preset}'s" for name in given}
+    section = where.rpartition("config.")[2]
+    if kv_heads is not None and (heads is None or kv_heads > heads):
+        return (f"{where}.overrides.num_kv_heads: must divide {section}.overrides.num_heads "
+                f"({given['num_heads']}{whose['num_heads']}), got {kv_heads}")
+    return (f"{where}.overrides.num_heads: must be a multiple of {section}.overrides.num_kv_heads "
+            f"({given['num_kv_heads']}{whose['num_kv_heads']}), got {given['num_heads']}")
 
 
 def tool_env(config: ml_collections.ConfigDict) -> ToolEnv:

@@ -215,3 +215,65 @@ def test_ctrl_c_in_a_command_is_one_line_and_exit_130(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert result.returncode == 130, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1] == "interrupted" and "Traceback" not in result.stderr
+
+
+# -- --help and config mistakes answer before anything heavy is imported --------------------------
+
+HEAVY = ("jax", "flax", "optax", "orbax", "grain", "transformers", "aiohttp", "grpc", "tensorboardX", "torch")
+# Runs a command as `python -m` does, then reports its exit status and which heavy packages it imported.
+IMPORT_PROBE = """
+import runpy, sys
+module = sys.argv[1]
+sys.argv = [module, *sys.argv[2:]]
+code = 0
+try:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+except SystemExit as e:
+    code = e.code
+heavy = sorted(h for h in {heavy!r} if any(m == h or m.startswith(h + ".") for m in sys.modules))
+print("EXIT", code or 0, "HEAVY", ",".join(heavy) or "-", file=sys.stderr)
+"""
+COMMANDS = ("rstar_jax.launch", "rstar_jax.evaluate", "rstar_jax.serve", "rstar_jax.filter_hard", "rstar_jax.aot",
+            "rstar_jax.config")
+
+
+def _probe(module, *args, cwd):
+    result = subprocess.run([sys.executable, "-c", IMPORT_PROBE.format(heavy=HEAVY), module, *args], cwd=cwd,
+                            capture_output=True, text=True, timeout=120)
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("EXIT "), result.stderr[-3000:]
+    code, heavy = last.split()[1], last.split("HEAVY ")[1]
+    return result, int(code), heavy
+
+
+@pytest.mark.parametrize("module", COMMANDS)
+def test_help_imports_nothing_heavy(module, tmp_path):
+    """`--help` is answered from the flags alone: JAX, grain, orbax, the HTTP and gRPC clients load
+    only when a command runs."""
+    result, code, heavy = _probe(module, "--help", cwd=tmp_path)
+    assert code == 0, result.stderr[-3000:]
+    assert heavy == "-", f"{module} --help imported {heavy}"
+    flag = "--model-path" if module == "rstar_jax.serve" else "--config=FILE"
+    assert flag in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.parametrize("module", [m for m in COMMANDS if m != "rstar_jax.serve"])
+def test_a_config_mistake_imports_nothing_heavy(module, tmp_path):
+    result, code, heavy = _probe(module, f"--config={REPO_CONFIGS / 'tiny.py'}", "--config.rl.group_size=0",
+                                 cwd=tmp_path)
+    assert code == 2, result.stderr[-3000:]
+    assert "error: config.rl.group_size: must be >= 1, got 0" in result.stderr.splitlines(), result.stderr[-3000:]
+    assert heavy == "-", f"{module} imported {heavy} before reporting a config mistake"
+
+
+@pytest.mark.slow
+def test_a_library_flag_still_parses_and_helpfull_lists_it(tmp_path):
+    """Flags the deferred libraries define (grain's, orbax's absl flags) are still accepted: a command
+    line naming one, or --helpfull, imports them before parsing."""
+    result, code, heavy = _probe("rstar_jax.launch", f"--config={REPO_CONFIGS / 'tiny.py'}",
+                                 "--grain_py_debug_mode=false", "--config.rl.group_size=0", cwd=tmp_path)
+    assert code == 2 and "Unknown command line flag" not in result.stderr, result.stderr[-3000:]
+    assert "error: config.rl.group_size: must be >= 1, got 0" in result.stderr.splitlines()
+    assert "grain" in heavy.split(",")
+    full = _run("rstar_jax.launch", "--helpfull", cwd=tmp_path)  # absl's: every flag, exit status 1
+    assert "grain_py_debug_mode" in full.stdout and "Traceback" not in full.stderr, full.stderr[-2000:]

@@ -44,8 +44,10 @@ def inputs(tmp_path):
 
 
 def _runnable(name, tmp, overrides=None):
-    return _load(name, {"model.hf_path": str(tmp / "hf"), "data.train_files": (str(tmp / "train.jsonl"),),
-                        "sft.train_files": (str(tmp / "sft.jsonl"),), "eval.files": (str(tmp / "train.jsonl"),),
+    # A synthetic config generates its training data: files beside it are refused.
+    files = {} if _load(name).data.synthetic.enabled else {"data.train_files": (str(tmp / "train.jsonl"),),
+                                                           "sft.train_files": (str(tmp / "sft.jsonl"),)}
+    return _load(name, {"model.hf_path": str(tmp / "hf"), **files, "eval.files": (str(tmp / "train.jsonl"),),
                         "train.init_from": str(tmp / "ckpt"), "run_dir": str(tmp / "run"), **(overrides or {})})
 
 
@@ -159,7 +161,7 @@ def test_tiny_config_describes_a_tiny_model():
     ({"rl.group_size": 33}, r"config.rl.group_size: must not exceed rollout.rollouts_per_prompt \(32\)"),
     ({"rl.kl_coef": 0.1}, r"config.rl.kl_coef: must be 0: the KL term needs a reference policy, which this "
                           r"trainer does not keep \(GRPO-RoC has no KL term, spec §5.3\)"),
-    ({"rl.kl_coef": -1.0}, r"config.rl.kl_coef: must be in \[0.0, inf\], got -1.0"),
+    ({"rl.kl_coef": -1.0}, r"config.rl.kl_coef: must be >= 0.0, got -1.0"),
     ({"rl.micro_batch_tokens": 4096}, r"config.rl.micro_batch_tokens: must be >= rollout.max_prompt_length \+ "
                                       r"rollout.response_budget = 10240"),
     ({"rollout.engine.max_length": 9000}, r"config.rollout.engine.max_length: must be >= .* = 10240"),
@@ -171,7 +173,7 @@ def test_tiny_config_describes_a_tiny_model():
     ({"rollout.engine.mem_fraction_static": -0.1}, r"config.rollout.engine.mem_fraction_static: must be in \[0, 1\)"),
     ({"rollout.engine.chunked_prefill_size": -2}, r"config.rollout.engine.chunked_prefill_size: must be a positive "
                                                   r"integer, or 0 or -1 \(off\), got -2"),
-    ({"rollout.temperature": 0.0}, r"config.rollout.temperature: must be in \(0.0, inf\]"),
+    ({"rollout.temperature": 0.0}, r"config.rollout.temperature: must be in \(0.0, 10.0\], got 0.0"),
     ({"rollout.top_k": 0}, r"config.rollout.top_k: must be -1 \(off\) or >= 1, got 0"),
     ({"rollout.scheduler": "random"}, r"config.rollout.scheduler: must be one of \('kv', 'round_robin'\)"),
     ({"rollout.kv_scheduler.reservation": "best"}, r"config.rollout.kv_scheduler.reservation: must be one of "
@@ -180,14 +182,14 @@ def test_tiny_config_describes_a_tiny_model():
     ({"rollout.kv_scheduler.group_block": 0}, r"config.rollout.kv_scheduler.group_block: must be a positive integer"),
     ({"rollout.kv_scheduler.budget_fraction": 1.5}, r"config.rollout.kv_scheduler.budget_fraction: must be in \(0"),
     ({"rollout.kv_scheduler.reconcile_interval_s": -1.0}, r"config.rollout.kv_scheduler.reconcile_interval_s: "
-                                                          r"must be in \[0, inf\], got -1.0"),
+                                                          r"must be in \[0.0, 86400.0\], got -1.0"),
     ({"rollout.backend": "sglang"}, r"config.rollout.servers: the sglang backend needs at least one server"),
     ({"data.on_bad_row": "ignore"}, r"config.data.on_bad_row: must be one of \('error', 'skip'\)"),
     ({"data.answer_key": "a..b"}, r"config.data.answer_key: must be 'auto' or a dotted path"),
     ({"data.synthetic.kinds": ("nope",)}, r"config.data.synthetic.kinds: unknown kind 'nope'"),
     ({"optim.schedule": "linear"}, r"config.optim.schedule: must be one of \('constant', 'cosine', 'wsd'\)"),
     ({"sft.decay_ratio": 0.0}, r"config.sft.decay_ratio: must be in \(0, 1\], got 0.0"),
-    ({"rollout.ready_timeout_s": 0}, r"config.rollout.ready_timeout_s: must be > 0, got 0"),
+    ({"rollout.ready_timeout_s": 0}, r"config.rollout.ready_timeout_s: must be in \(0.0, 86400.0\], got 0"),
     ({"checkpoint.export_dtype": "int8"}, r"config.checkpoint.export_dtype: must be '' \(the model's param_dtype\)"),
     ({"weight_sync.method": "nccl"}, r"config.weight_sync.method: must be one of \('disk', 'distributed'\)"),
     ({"weight_sync.method": "distributed"}, r"config.weight_sync.method: 'distributed' updates SGLang\(-compatible\) "
@@ -203,14 +205,17 @@ def test_tiny_config_describes_a_tiny_model():
     ({"weight_sync.group_name": ""}, r"config.weight_sync.group_name: must be a non-empty group name"),
     ({"weight_sync.bucket_bytes": -1}, r"config.weight_sync.bucket_bytes: must be a positive integer, got -1"),
     ({"mesh.tensor": 0}, r"config.mesh.tensor: must be a positive integer or -1, got 0"),
-    ({"mesh.data": -1}, r"config.mesh: at most one axis may be -1"),
+    ({"mesh.data": -1}, r"config.mesh.data: only one axis may be -1 \(the remaining devices\) and "
+                        r"mesh.fsdp is -1: give mesh.data a size, got -1"),
     ({"mesh.rules": (("batch", "model"),)}, r"config.mesh.rules\[0\]: mesh axes must be None or names"),
     ({"model.preset": "qwen3-99b"}, r"config.model.preset: unknown model preset 'qwen3-99b'"),
     ({"model.overrides.num_heads": -2}, r"config.model.overrides.num_heads: must be a positive integer, got -2"),
     ({"model.remat_policy": "some"}, r"config.model.remat_policy: must be one of"),
     ({"sandbox.targets": ("127.0.0.1:1",)}, r"config.sandbox.launch_local: set it to False"),
     ({"sandbox.launch_local": False}, r"config.sandbox.targets: tool calls need a sandbox"),
-    ({"sandbox.verify_timeout_s": 0.0}, r"config.sandbox.verify_timeout_s: must be in \(0.0, inf\], got 0.0"),
+    ({"sandbox.verify_timeout_s": 0.0}, r"config.sandbox.verify_timeout_s: must be > 0 and at most 300 s "
+                                        r"with sandbox.launch_local=True: the local sandbox server refuses longer "
+                                        r"calls \(its --max_timeout_s\), got 0.0"),
     ({"sandbox.preset": "code-judge"}, r"config.sandbox.preset: must be one of \('release', 'rich'\)"),
     ({"sandbox.memory_mb": 8}, r"config.sandbox.memory_mb: must be an integer >= 16, got 8"),
     ({"sandbox.error_format": "short"}, r"config.sandbox.error_format: must be one of \('traceback', 'release'\)"),
