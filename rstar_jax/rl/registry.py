@@ -10,15 +10,15 @@ built-in's module is imported on its first `get`.
 
 A policy loss is called inside the jitted step, once per micro-batch:
 
-    loss(settings, logprobs, old_logprobs, advantages, loss_mask, **extras) -> (loss_sum, token_count, metrics)
+    loss(settings, logprobs, old_logprobs, advantages, loss_mask, **extras) -> (loss_sum, denominator, metrics)
 
 with `settings` the `LossConfig` whole and [..., T] arrays. `extras` are further per-token arrays the
-step provides by keyword: today `entropy` (gradient stopped) and `sampler_logprobs`; a loss takes the
-ones it uses and accepts the rest with `**extras`, so the step can offer more without breaking it.
-It returns a *sum* and a count, not a mean (the step divides once by the global token count, which
-keeps the token mean exact under micro-batching), and additive metrics (see `grpo_loss`; the
-trainer's `finalize_metrics` reads grpo_loss's keys, so a variant returns at least those that
-grpo_loss always returns).
+step provides by keyword: today `entropy` (gradient stopped), `sampler_logprobs` and `segment_ids`;
+a loss takes the ones it uses and accepts the rest with `**extras`, so the step can offer more
+without breaking it. It returns a *sum* and its denominator, not a mean (the step divides once by
+the global total, which keeps the mean exact under micro-batching), and additive metrics (see
+`grpo_loss`; the trainer's `finalize_metrics` reads grpo_loss's keys, so a variant returns at least
+those that grpo_loss always returns).
 
 An advantage estimator runs on the host over the rollouts RoC kept:
 

@@ -85,7 +85,8 @@ def _policy_micro_loss(model, mb: dict, loss_config: LossConfig, chunk_size: int
     # The loss registered under `loss_config.policy_loss` ("grpo": grpo_loss) gets the settings whole.
     policy_loss = get_policy_loss(loss_config.policy_loss)
     return policy_loss(loss_config, logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"],
-                       entropy=jax.lax.stop_gradient(entropy), sampler_logprobs=mb["sampler_logprobs"])
+                       entropy=jax.lax.stop_gradient(entropy), sampler_logprobs=mb["sampler_logprobs"],
+                       segment_ids=mb["segment_ids"])
 
 
 def _has_tokens(mb: dict):
@@ -96,15 +97,19 @@ def _has_tokens(mb: dict):
 def accumulate_grads(model: nnx.Module, batch: dict, micro_loss):
     """Sums `micro_loss` numerators, gradients and metrics over the micro-batches of `batch`.
 
-    micro_loss(model, micro_batch) -> (loss_sum, token_count, metrics). Returns (loss, grads,
-    metrics) with loss and grads divided once by the total token count: the exact token mean.
-    Micro-batches without a trained token are skipped (they would add exactly nothing).
+    micro_loss(model, micro_batch) -> (loss_sum, denominator, metrics): the denominator is the
+    token count of a token mean, or the sequence count of a sequence mean (`grpo_loss`'s
+    `loss_agg_mode`). Returns (loss, grads, metrics) with loss and grads divided once by the total
+    denominator: the exact mean over the whole batch. Micro-batches without a trained token are
+    skipped (they would add exactly nothing).
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss_of_params(p, mb):
-        loss_sum, count, metrics = micro_loss(nnx.merge(graphdef, p, rest), mb)
-        return loss_sum, {**metrics, "token_count": count, "loss_sum": loss_sum}
+        loss_sum, denominator, metrics = micro_loss(nnx.merge(graphdef, p, rest), mb)
+        # A loss that reports no token count of its own (SFT's) counts what it divides by.
+        return loss_sum, {"token_count": denominator, **metrics, "loss_denominator": denominator,
+                          "loss_sum": loss_sum}
 
     grad_fn = jax.grad(loss_of_params, has_aux=True)
     # Sums are kept in float32 whatever the parameter dtype: many bf16 additions would lose the
@@ -124,7 +129,7 @@ def accumulate_grads(model: nnx.Module, batch: dict, micro_loss):
         return (jax.tree.map(jnp.add, grads_acc, grads), combine_metrics(metrics_acc, metrics)), None
 
     (grads_sum, metrics), _ = jax.lax.scan(body, (zero_grads, no_metrics), batch)
-    total = jnp.maximum(metrics["token_count"], 1.0)
+    total = jnp.maximum(metrics["loss_denominator"], 1.0)
     grads = jax.tree.map(lambda g, p: (g / total).astype(p.dtype), grads_sum, params)
     return metrics["loss_sum"] / total, grads, metrics
 

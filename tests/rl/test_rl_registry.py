@@ -136,7 +136,7 @@ def test_a_registered_loss_is_picked_by_name_by_the_train_step():
     assert not CALLS
     m_half = _step(half)
     assert CALLS and all(settings == half for settings, _ in CALLS)  # the settings object, whole
-    assert CALLS[0][1] == ["entropy", "sampler_logprobs"]  # the extras the step offers
+    assert CALLS[0][1] == ["entropy", "sampler_logprobs", "segment_ids"]  # the extras the step offers
     np.testing.assert_allclose(float(m_half["loss"]), 0.5 * float(m_grpo["loss"]), rtol=1e-6)
     np.testing.assert_allclose(float(m_half["grad_norm"]), 0.5 * float(m_grpo["grad_norm"]), rtol=1e-5)
     assert float(m_half["token_count"]) == float(m_grpo["token_count"])
