@@ -164,7 +164,25 @@ def get_config() -> ml_collections.ConfigDict:
     # Dual-clip: for A < 0 the loss is at most -A * 3.0. The release always applies it (verl's
     # clip_ratio_c = 3.0); it binds only where the ratio is far from 1 (a ratio above 3 with a negative
     # advantage). None turns it off; GSPO (rl.ratio_level = "sequence") has none.
-    c.rl.dual_clip = 3.0
+    c.rl.dual_clip = config_dict.FieldReference(3.0, field_type=float)
+    # Beyond the paper, with verl's names and semantics (rstar_jax/rl/loss.py has each formula).
+    # Loss aggregation: "token-mean" (the paper's) | "seq-mean-token-mean" | "seq-mean-token-sum" |
+    # "seq-mean-token-sum-norm" (Dr.GRPO: token sums over sequences x H; H = loss_scale_factor,
+    # None = rollout.response_budget, fixed because padded widths vary between micro-batches).
+    c.rl.loss_agg_mode = "token-mean"
+    c.rl.loss_scale_factor = config_dict.placeholder(float)
+    c.rl.ratio_level = "token"  # "sequence": GSPO (with loss_agg_mode "seq-mean-token-mean", dual_clip None)
+    # Rollout correction for the sampler-trainer mismatch (verl's decoupled reading): the ratio
+    # rho = pi_old / mu of the trainer's recomputed log-probs to the sampler's. rollout_is ("token" |
+    # "sequence") weights each token's loss by min(rho, rollout_is_threshold); rollout_rs ("token" |
+    # "sequence" | "geometric") drops tokens or sequences whose rho leaves [rollout_rs_threshold_lower
+    # (None: 1/upper; 0: none), rollout_rs_threshold]. Off in the paper; the mismatch is always logged
+    # (mismatch/kl_k1, mismatch/kl_k3). Needs rl.use_sampler_logprobs=False (pi_old recomputed).
+    c.rl.rollout_is = config_dict.placeholder(str)
+    c.rl.rollout_is_threshold = 2.0  # verl's default cap (SkyRL recommends 2 for TIS)
+    c.rl.rollout_rs = config_dict.placeholder(str)
+    c.rl.rollout_rs_threshold = config_dict.placeholder(float)
+    c.rl.rollout_rs_threshold_lower = config_dict.placeholder(float)
     c.rl.kl_coef = 0.0  # spec §5.3: no KL term (validation refuses > 0: there is no reference policy)
     c.rl.entropy_coef = 0.0  # spec §5.3: no entropy term
     # The objective by name (rstar_jax.rl.registry): a new variant is a registered function and this value.

@@ -572,6 +572,10 @@ def _check_values(check: Checker) -> None:
                       f"must be at most rl.group_size // 2 = {rl.group_size // 2} (the release variant keeps this "
                       f"many negatives and this many positives among rl.group_size), got {rl.roc_min_per_class}")
     check.build(lambda: resolve.loss_config(config))
+    for field in ("rl.rollout_is", "rl.rollout_rs"):
+        if resolve.config_value(config, field) is not None and rl.use_sampler_logprobs:
+            check.fail(field, "compares the trainer's recomputed log-probs with the sampler's, which "
+                              "rl.use_sampler_logprobs=True makes the same: set it to False")
     # Equal sizes are allowed: G of G is plain GRPO with tools, the paper's RoC ablation (§5.3).
     if check.ok("rl.group_size", "rollout.rollouts_per_prompt"):
         check.require(rl.group_size <= r.rollouts_per_prompt, "rl.group_size",

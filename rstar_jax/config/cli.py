@@ -166,6 +166,8 @@ def check_overrides(argv: Sequence[str], config: ConfigDict, config_index: int =
     for override in _overrides(argv, config):
         path, kind = override.path, _field_type(config, override.path)
         flag = f"--{'no' if override.negated else ''}config.{path}"
+        if _sets_none(override, kind):
+            continue  # applied after parsing (`none_overrides`); config_flags cannot parse it
         if kind is None:
             reject(override, unknown_field(path, leaves))
         elif kind is ConfigDict:
@@ -203,6 +205,26 @@ def check_overrides(argv: Sequence[str], config: ConfigDict, config_index: int =
                 bad.update(range(o.start, o.end))
     problems.sort(key=lambda item: item[0])
     return [message for _, message in problems], sorted(bad)
+
+
+def _sets_none(override: _Override, kind) -> bool:
+    """`--config.a.b=None` on a scalar field: config_flags parses it only for dataclass fields."""
+    return (override.raw is not None and override.raw.strip() in ("None", "none") and not override.negated
+            and kind not in (None, ConfigDict, bool, tuple, list))
+
+
+def none_overrides(argv: Sequence[str], config: ConfigDict) -> list[_Override]:
+    """The `--config.a.b=None` overrides of scalar fields: set to None after parsing (validation
+    then says whether the field may be None, e.g. `rl.dual_clip` to turn dual-clip off)."""
+    return [o for o in _overrides(argv, config) if _sets_none(o, _field_type(config, o.path))]
+
+
+def _set_path(config: ConfigDict, path: str, value) -> None:
+    *sections, name = path.split(".")
+    node = config
+    for section in sections:
+        node = node[section]
+    node[name] = value
 
 
 def config_command(default_config: str | os.PathLike, run: Callable[[ConfigDict], object], *,
@@ -244,7 +266,8 @@ def config_command(default_config: str | os.PathLike, run: Callable[[ConfigDict]
     except Exception as e:  # noqa: BLE001  (a broken config file is the user's to fix)
         fail([_load_problem(path, e)])
     problems, bad = check_overrides(argv, loaded, index)
-    dropped = set(bad)
+    set_none = none_overrides(argv, loaded)
+    dropped = set(bad) | {i for o in set_none for i in range(o.start, o.end)}
     argv = [arg for i, arg in enumerate(argv) if i not in dropped]  # what absl and config_flags parse
 
     config_flag = config_flags.DEFINE_config_file(
@@ -263,6 +286,8 @@ def config_command(default_config: str | os.PathLike, run: Callable[[ConfigDict]
         if not flag_values["verbosity"].present:
             logging.set_verbosity(logging.WARNING)
         config = config_flag.value
+        for override in set_none:
+            _set_path(config, override.path, None)
         if prepare is not None:
             prepare(config)
         found = list(problems)

@@ -150,8 +150,12 @@ def roc_config(config: ml_collections.ConfigDict) -> RocConfig:
 
 
 def loss_config(config: ml_collections.ConfigDict) -> LossConfig:
-    """The objective from `config.rl`: clipping, the policy loss and advantage estimator by name."""
-    return build(LossConfig, config, "rl")
+    """The objective from `config.rl`: clipping, aggregation, rollout correction, the policy loss and
+    advantage estimator by name. Dr.GRPO's H (`rl.loss_scale_factor`) defaults to the response budget."""
+    scale = config.rl.loss_scale_factor
+    given = {"loss_scale_factor": ("rollout.response_budget", config.rollout.response_budget) if scale is None
+             else ("rl.loss_scale_factor", scale)}
+    return build(LossConfig, config, "rl", given=given)
 
 
 def optimizer_config(config: ml_collections.ConfigDict) -> OptimizerConfig:

@@ -164,13 +164,15 @@ def test_readme_config_check_works_for_every_shipped_config(name):
 def test_config_command_parses_overrides_as_config_flags_does(tmp_path):
     args = [f"--config={REPO_CONFIGS / 'stage3.py'}", "--config.model.hf_path=/x",
             "--config.rollout.servers=('http://a:1','http://b:2')", "--config.rollout.backend", "sglang",
-            "--config.rl.dual_clip=3.0", "--noconfig.metrics.jsonl", "--config.sft.before_rl"]
+            "--config.rl.dual_clip=2.5", "--noconfig.metrics.jsonl", "--config.sft.before_rl",
+            "--config.filter_hard.temperature=None"]
     result = _run("rstar_jax.config", *args, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     printed = json.loads(result.stdout)
     assert printed["stage"] == "stage3" and printed["rollout"]["max_turns"] == 15
     assert printed["rollout"]["servers"] == ["http://a:1", "http://b:2"] and printed["rollout"]["backend"] == "sglang"
-    assert printed["rl"]["dual_clip"] == 3.0 and printed["metrics"]["jsonl"] is False and printed["sft"]["before_rl"]
+    assert printed["rl"]["dual_clip"] == 2.5 and printed["metrics"]["jsonl"] is False and printed["sft"]["before_rl"]
+    assert printed["filter_hard"]["temperature"] is None
     # --check_files turns the run's missing inputs into errors.
     checked = _run("rstar_jax.config", *args, "--check_files", cwd=tmp_path)
     assert _errors(checked) == [
@@ -277,3 +279,14 @@ def test_a_library_flag_still_parses_and_helpfull_lists_it(tmp_path):
     assert "grain" in heavy.split(",")
     full = _run("rstar_jax.launch", "--helpfull", cwd=tmp_path)  # absl's: every flag, exit status 1
     assert "grain_py_debug_mode" in full.stdout and "Traceback" not in full.stderr, full.stderr[-2000:]
+
+
+def test_none_sets_an_optional_field_and_is_refused_by_a_required_one(tmp_path):
+    """config_flags parses `=None` only for dataclass fields; an optional scalar takes it (dual-clip off
+    for GSPO), a required one refuses it on one line naming the field."""
+    gspo = _run("rstar_jax.config", "--config.rl.ratio_level=sequence", "--config.rl.loss_agg_mode=seq-mean-token-mean",
+                "--config.rl.dual_clip=None", cwd=tmp_path)
+    assert gspo.returncode == 0, gspo.stderr[-2000:]
+    assert json.loads(gspo.stdout)["rl"]["dual_clip"] is None
+    steps = _run("rstar_jax.config", "--config.train.steps=None", "--config.rl.dual_clip=none", cwd=tmp_path)
+    assert steps.returncode == 2 and _errors(steps) == ["config.train.steps: must be a positive integer, got None"]

@@ -43,6 +43,7 @@ ENUMS = {
     "tokenizer.kind", "data.format", "data.on_bad_row", "rollout.backend", "rollout.scheduler",
     "rollout.kv_scheduler.reservation", "rollout.template", "rollout.observation_style", "rollout.tool_call_parsing",
     "rl.roc_variant", "rl.roc_zero_advantage", "rl.policy_loss", "rl.advantage_estimator", "optim.schedule",
+    "rl.loss_agg_mode", "rl.ratio_level", "rl.rollout_is", "rl.rollout_rs",
     "sft.schedule", "sandbox.api", "sandbox.preset", "sandbox.error_format", "sandbox.verify_via",
     "weight_sync.method", "weight_sync.mode", "weight_sync.dtype", "weight_sync.backend", "checkpoint.export_dtype",
 }

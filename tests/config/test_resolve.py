@@ -11,6 +11,13 @@ CARRIED = [
     ("rl.clip_high", 0.3, resolve.loss_config, "clip_high"),
     ("rl.dual_clip", 2.5, resolve.loss_config, "dual_clip"),
     ("rl.entropy_coef", 0.01, resolve.loss_config, "entropy_coef"),
+    ("rl.loss_agg_mode", "seq-mean-token-sum", resolve.loss_config, "loss_agg_mode"),
+    ("rl.loss_scale_factor", 123.0, resolve.loss_config, "loss_scale_factor"),
+    ("rollout.response_budget", 77, resolve.loss_config, "loss_scale_factor"),  # Dr.GRPO's H when unset
+    ("rl.rollout_is", "sequence", resolve.loss_config, "rollout_is"),
+    ("rl.rollout_is_threshold", 3.5, resolve.loss_config, "rollout_is_threshold"),
+    ("rl.rollout_rs_threshold", 5.0, resolve.loss_config, "rollout_rs_threshold"),
+    ("rl.rollout_rs_threshold_lower", 0.25, resolve.loss_config, "rollout_rs_threshold_lower"),
     ("rl.group_size", 2, resolve.roc_config, "group_size"),
     ("rl.roc_variant", "release", resolve.roc_config, "variant"),
     ("rl.roc_epsilon", 0.05, resolve.roc_config, "epsilon"),
