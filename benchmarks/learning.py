@@ -2,6 +2,7 @@
 
     python benchmarks/learning.py                       # configs/tiny.py, 3 seeds, every variant
     python benchmarks/learning.py --seeds 5 --steps 60 --out runs/learning
+    python benchmarks/learning.py --variants roc,roc_tis,bf16,bf16_tis --out runs/correction
 
 Every seed warms up one policy with the default run's SFT (`--config.mode=sft`), then each variant
 trains it with RL from the same weights on the same data, for the same steps and prompts per step,
@@ -10,12 +11,19 @@ questions, same samples drawn per question) at step 0, every `--eval-every` step
 
 - `roc`: GRPO-RoC as configured (2G rollouts per prompt, RoC keeps G);
 - `grpo`: GRPO with the tool and no resampling (G rollouts per prompt, all kept);
-- `no_tool`: the tool left out of the prompt and never executed (`rollout.tools=False`).
+- `no_tool`: the tool left out of the prompt and never executed (`rollout.tools=False`);
+- `roc_tis`: GRPO-RoC with rollout correction, token-level truncated importance sampling
+  (`rl.rollout_is=token`, cap `rl.rollout_is_threshold`) of the in-process engine's small mismatch;
+- `bf16`, `bf16_tis`: the mismatch made real: rollouts from a `rstar_jax.serve` server
+  (`rollout.local_servers=1`) holding the policy in bfloat16 (the export and `weight_sync.dtype`)
+  while the trainer computes in float32, as SGLang beside an fp32 trainer; without and with the
+  correction.
 
 Printed and written to `<out>/learning.json` (every curve of every seed, and the mean and standard
 deviation over seeds) and `<out>/learning.png`: held-out pass@1, the tool-error rate of positive
 trajectories (paper Fig. 4), tool calls per trajectory and response length, against the RL step;
-and every step's rollouts: reward and positive tool-error rate (for RoC, of all 2G sampled). Runs
+and every step's rollouts: reward and positive tool-error rate (for RoC, of all 2G sampled), and the
+update's sampler-trainer mismatch (`mismatch/kl_k3`, `drift/logprob_abs_mean`). Runs
 already finished in `--out` are read again, not repeated.
 """
 
@@ -37,10 +45,15 @@ VARIANTS = {
     "roc": [],
     "grpo": ["--config.rollout.rollouts_per_prompt={group}"],
     "no_tool": ["--config.rollout.tools=False"],
+    "roc_tis": ["--config.rl.rollout_is=token"],
+    "bf16": ["--config.rollout.backend=sglang", "--config.rollout.local_servers=1"],
+    "bf16_tis": ["--config.rollout.backend=sglang", "--config.rollout.local_servers=1", "--config.rl.rollout_is=token"],
 }
+DEFAULT_VARIANTS = ("roc", "grpo", "no_tool")
 CURVES = ("eval/pass@1", "eval/tool_error_rate_positive", "eval/tool_calls_mean", "eval/response_length_mean")
 # Every step's rollouts (for RoC: all 2G sampled, before it keeps G): what the update learns from.
-ROLLOUT_CURVES = ("rollout/reward_mean", "rollout/tool_error_rate_positive")
+ROLLOUT_CURVES = ("rollout/reward_mean", "rollout/tool_error_rate_positive", "mismatch/kl_k3",
+                  "drift/logprob_abs_mean")
 
 
 def launch(args: list[str], log: pathlib.Path) -> float:
@@ -72,7 +85,7 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=0, help="RL steps (0: the config's train.steps)")
     parser.add_argument("--eval-every", type=int, default=0, help="0: the config's train.eval_every")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--out", default=str(REPO / "runs" / "learning"))
     args = parser.parse_args()
     out = pathlib.Path(args.out)
@@ -118,11 +131,15 @@ def main() -> None:
                 summary[variant][name] = {"mean": np.nanmean(values, 0).tolist(), "std": np.nanstd(values, 0).tolist()}
     results["summary"] = summary
     (out / "learning.json").write_text(json.dumps(_nan_to_none(results), indent=1))
-    print(f"\n{'variant':8s} {'seeds':>5s} {'pass@1 step 0':>14s} {'pass@1 final':>16s} {'pos. tool err final':>20s}")
+    print(f"\n{'variant':8s} {'seeds':>5s} {'pass@1 step 0':>14s} {'pass@1 final':>16s} {'pos. tool err final':>20s}"
+          f" {'mismatch k3 (mean over steps)':>30s}")
     for variant, s in summary.items():
         p, e = s["eval/pass@1"], s["eval/tool_error_rate_positive"]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            k3 = float(np.nanmean(np.asarray(s["mismatch/kl_k3"]["mean"], np.float64)))
         print(f"{variant:8s} {len(results['runs'][variant]):5d} {p['mean'][0]:8.3f}±{p['std'][0]:.3f} "
-              f"{p['mean'][-1]:10.3f}±{p['std'][-1]:.3f} {e['mean'][-1]:14.3f}±{e['std'][-1]:.3f}")
+              f"{p['mean'][-1]:10.3f}±{p['std'][-1]:.3f} {e['mean'][-1]:14.3f}±{e['std'][-1]:.3f} {k3:30.2e}")
     plot(summary, out / "learning.png")
     print(f"\n{out / 'learning.json'}\n{out / 'learning.png'}")
 
@@ -145,8 +162,10 @@ def plot(summary: dict, path: pathlib.Path) -> None:
     titles = {"eval/pass@1": "held-out pass@1", "eval/tool_error_rate_positive": "held-out: tool-error rate, positive",
               "eval/tool_calls_mean": "held-out: tool calls per trajectory",
               "eval/response_length_mean": "held-out: response length (tokens)",
-              "rollout/reward_mean": "rollouts: reward", "rollout/tool_error_rate_positive": "rollouts: tool-error rate, positive"}
-    fig, axes = plt.subplots(2, 3, figsize=(15, 7), sharex=True)
+              "rollout/reward_mean": "rollouts: reward", "rollout/tool_error_rate_positive": "rollouts: tool-error rate, positive",
+              "mismatch/kl_k3": "update: KL(sampler || trainer), k3", "drift/logprob_abs_mean": "update: |log-prob drift|"}
+    columns = -(-len(CURVES + ROLLOUT_CURVES) // 2)
+    fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 7), sharex=True)
     for ax, name in zip(axes.T.flat, CURVES + ROLLOUT_CURVES):
         for variant, s in summary.items():
             x = np.asarray(s["rollout_step" if name in ROLLOUT_CURVES else "step"])

@@ -105,6 +105,11 @@ batch = {"input_ids": jnp.asarray(_ids[:, :-1]), "targets": jnp.asarray(_ids[:, 
          "old_logprobs": jnp.asarray(-1.0 - 3.0 * _rng.random((_B, _T)), jnp.float32),
          "advantages": jnp.asarray(_rng.normal(size=(_B, _T)), jnp.float32),
          "loss_mask": jnp.asarray(np.arange(_T)[None] < np.array([[10], [7], [4], [1]]), jnp.int32)}
+# The sampler's log-probs a little off the trainer's, and the first row packing two sequences.
+batch["sampler_logprobs"] = batch["old_logprobs"] + jnp.asarray(0.005 * _rng.normal(size=(_B, _T)), jnp.float32)
+batch["segment_ids"] = jnp.asarray(np.where(np.arange(_T)[None] < 5, 1, 2) * batch["loss_mask"]
+                                   * (np.arange(_B)[:, None] == 0) + batch["loss_mask"] * (np.arange(_B)[:, None] > 0),
+                                   jnp.int32)
 '''
 
 _LOSS_CHECK = '''
@@ -121,6 +126,11 @@ for _adv in (batch["advantages"], advantages[:_B]):  # per token [B, T] and per 
     assert jax.tree.map(jnp.shape, _grads) == jax.tree.map(jnp.shape, params)
     assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(_grads))
     assert float(jnp.abs(_grads["unembed"]).sum()) > 0
+    _loss_sum, (_sequences, _metrics) = jax.jit(variant_loss_fn)(params, _batch)
+    assert bool(jnp.isfinite(_loss_sum)) and 1 <= int(_sequences) <= 5, (_loss_sum, _sequences)
+    assert {"mismatch_k3_sum", "is_weight_sum", "rejected_sequence_count", "sequence_count"} <= set(_metrics)
+    _grads = jax.jit(jax.grad(lambda p: variant_loss_fn(p, _batch)[0]))(params)
+    assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(_grads))
 '''
 
 RUNNERS: dict[str, Runner] = {
