@@ -94,6 +94,18 @@ def _has_tokens(mb: dict):
     return jnp.any(mb["loss_mask"] > 0)
 
 
+def _unless_empty(mb: dict, compute, empty):
+    """`compute()`, skipped for a micro-batch without a trained token (`empty()` instead).
+
+    Only within one process: across jax.distributed processes (gloo on CPU) a conditional whose
+    branch holds collectives left the processes in different collectives (a 10240-byte all-reduce
+    met a 4-byte one) on some batches, so there every micro-batch is computed, padding adding zeros.
+    """
+    if jax.process_count() > 1:
+        return compute()
+    return jax.lax.cond(_has_tokens(mb), compute, empty)
+
+
 def accumulate_grads(model: nnx.Module, batch: dict, micro_loss):
     """Sums `micro_loss` numerators, gradients and metrics over the micro-batches of `batch`.
 
@@ -101,7 +113,7 @@ def accumulate_grads(model: nnx.Module, batch: dict, micro_loss):
     token count of a token mean, or the sequence count of a sequence mean (`grpo_loss`'s
     `loss_agg_mode`). Returns (loss, grads, metrics) with loss and grads divided once by the total
     denominator: the exact mean over the whole batch. Micro-batches without a trained token are
-    skipped (they would add exactly nothing).
+    skipped within one process (they would add exactly nothing; `_unless_empty`).
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -125,7 +137,7 @@ def accumulate_grads(model: nnx.Module, batch: dict, micro_loss):
             grads, metrics = grad_fn(params, mb)
             return jax.tree.map(lambda g: g.astype(jnp.float32), grads), metrics
 
-        grads, metrics = jax.lax.cond(_has_tokens(mb), compute, lambda: (zero_grads, no_metrics))
+        grads, metrics = _unless_empty(mb, compute, lambda: (zero_grads, no_metrics))
         return (jax.tree.map(jnp.add, grads_acc, grads), combine_metrics(metrics_acc, metrics)), None
 
     (grads_sum, metrics), _ = jax.lax.scan(body, (zero_grads, no_metrics), batch)
@@ -169,7 +181,7 @@ def compute_logprobs(model, batch, chunk_size: int = 1024, temperature=1.0):
                                   temperature=temperature, return_entropy=True)
 
         empty = jnp.zeros(mb["targets"].shape, jnp.float32)
-        return jax.lax.cond(_has_tokens(mb), compute, lambda: (empty, empty))
+        return _unless_empty(mb, compute, lambda: (empty, empty))
 
     return jax.lax.map(one, {k: batch[k] for k in ("input_ids", "positions", "segment_ids", "targets", "loss_mask")})
 
