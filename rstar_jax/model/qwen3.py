@@ -3,7 +3,10 @@
 Layer parameters are stacked along a leading ``layers`` axis and the decoder runs as one
 ``jax.lax.scan``: a 40-layer 14B model compiles as fast as a 2-layer one, and per-layer remat is a
 policy on the scanned body. Every parameter carries logical axis names (metadata ``logical_axes``)
-that `rstar_jax.model.sharding` maps to mesh axes through a rules table.
+that `rstar_jax.model.sharding` maps to mesh axes through a rules table. The full forward and its
+gradient run on meshes of either axis type: under Explicit axes (`jax.make_mesh`'s default) each
+layer's weights are gathered over the batch's axes and contractions over sharded dimensions name
+their output's sharding; under Auto axes (`rstar_jax.parallel.make_mesh`) XLA places both.
 
 Numerics follow Hugging Face ``Qwen3ForCausalLM``: RMSNorm in fp32 with weight applied after the
 cast back, per-head q/k RMSNorm before RoPE, half-split ("rotate_half") RoPE, grouped-query
@@ -32,6 +35,7 @@ from rstar_jax.model.config import (
     Qwen3Config,
     dtype_name,
 )
+from rstar_jax.model.sharding import batch_axes, constrain, gather_axes, spec_axes, spec_entry, type_sharding
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -172,19 +176,36 @@ class Qwen3(nnx.Module):
     def _layer_params(self) -> dict[str, jax.Array]:
         return {name: getattr(self, name)[...] for name in self.LAYER_PARAMS}
 
-    def _constrain(self, x: jax.Array, kind: str) -> jax.Array:
+    def _activation_sharding(self, kind: str, shape, batch: tuple[str, ...] = ()):
+        """The NamedSharding of activation `kind` (None when unset). `batch`: the mesh axes that
+        already shard the batch in its type (Explicit axes): the caller's layout is kept there, so
+        that the outputs meet the caller's other arrays (masks, old log-probs) as they are laid out."""
         for name, sharding in self.activation_shardings:
             if name == kind:
+                entries = tuple(sharding.spec) + (None,) * len(shape)
+                if batch:
+                    entries = (batch,) + tuple(
+                        spec_entry([a for a in spec_axes(e) if a not in batch]) for e in entries[1:])
                 # Leave a dimension unconstrained when its size does not divide over its mesh axes
                 # (e.g. a batch of 4 on an 8-way fsdp axis) rather than failing to compile.
                 spec = []
-                for size, axes in zip(x.shape, tuple(sharding.spec) + (None,) * x.ndim):
-                    names = (axes,) if isinstance(axes, str) else tuple(axes or ())
-                    ways = int(np.prod([sharding.mesh.shape[a] for a in names])) if names else 1
-                    spec.append(axes if size % ways == 0 else None)
-                spec = jax.sharding.PartitionSpec(*spec)
-                return jax.lax.with_sharding_constraint(x, jax.sharding.NamedSharding(sharding.mesh, spec))
-        return x
+                for size, axes in zip(shape, entries):
+                    ways = int(np.prod([sharding.mesh.shape[a] for a in spec_axes(axes)]))
+                    spec.append(spec_entry(spec_axes(axes)) if size % ways == 0 else None)
+                return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+        return None
+
+    def _constrain(self, x: jax.Array, kind: str) -> jax.Array:
+        sharding = self._activation_sharding(kind, x.shape, batch_axes(type_sharding(x)))
+        return x if sharding is None else constrain(x, sharding)
+
+    @staticmethod
+    def _gathered(p: dict[str, jax.Array], x: jax.Array) -> dict[str, jax.Array]:
+        """Under Explicit axes, the weights gathered over the axes that shard x's batch (FSDP's
+        all-gather, one layer at a time inside the scan): a mesh axis cannot shard both an
+        activation's batch and the weight it meets. Under Auto axes XLA's partitioner does this."""
+        axes = batch_axes(type_sharding(x))
+        return {name: gather_axes(w, axes) for name, w in p.items()}
 
     def unembedding(self) -> jax.Array:
         """[D, V] output projection (the transposed embedding when tied)."""
@@ -195,8 +216,20 @@ class Qwen3(nnx.Module):
     @jax.named_scope("embed")
     def _embed(self, input_ids):
         dt = _DTYPES[self.config.dtype]
-        h = jnp.take(self.embed[...], input_ids, axis=0).astype(dt)
-        return self._constrain(h, "act_btd")
+        table = self.embed[...]
+        sharding = type_sharding(table) or type_sharding(input_ids)
+        if sharding is None:
+            h = jnp.take(table, input_ids, axis=0)
+        else:
+            # Under Explicit axes a gather must be told its output's sharding (JAX infers none when
+            # the table or the ids are sharded): the residual stream's, keeping the ids' batch layout.
+            batch = batch_axes(type_sharding(input_ids))
+            out = self._activation_sharding("act_btd", (*input_ids.shape, table.shape[1]), batch)
+            if out is None:
+                out = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(spec_entry(batch)))
+            table = gather_axes(table, batch_axes(out))
+            h = table.at[input_ids].get(mode="fill", out_sharding=out)
+        return self._constrain(h.astype(dt), "act_btd")
 
     @jax.named_scope("qkv")
     def _qkv(self, p, x, positions):
@@ -213,13 +246,15 @@ class Qwen3(nnx.Module):
         c = self.config
         dt = h.dtype
         with jax.named_scope("o_proj"):
-            h = h + jnp.einsum("bthk,hkd->btd", attn, p["o_proj"].astype(dt))
+            # Contracts the tensor-sharded heads: under Explicit axes the sum lands as the residual's.
+            h = h + jnp.einsum("bthk,hkd->btd", attn, p["o_proj"].astype(dt), out_sharding=type_sharding(h))
             h = self._constrain(h, "act_btd")
         with jax.named_scope("mlp"):
             x = rms_norm(h, p["post_attn_norm"], c.rms_norm_eps)
             gate = jnp.einsum("btd,df->btf", x, p["gate_proj"].astype(dt))
             up = jnp.einsum("btd,df->btf", x, p["up_proj"].astype(dt))
-            mlp = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down_proj"].astype(dt))
+            mlp = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down_proj"].astype(dt),
+                             out_sharding=type_sharding(h))
             return self._constrain(h + mlp, "act_btd")
 
     # -- full forward ---------------------------------------------------------------------------
@@ -237,6 +272,7 @@ class Qwen3(nnx.Module):
 
         @jax.named_scope("decoder_layer")
         def layer(h, p):
+            p = self._gathered(p, h)
             x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
             q, k, v = self._qkv(p, x, positions)
             with jax.named_scope("attention"):
@@ -255,7 +291,7 @@ class Qwen3(nnx.Module):
 
     @jax.named_scope("unembed")
     def logits_from_hidden(self, hidden: jax.Array) -> jax.Array:
-        w = self.unembedding()
+        w = gather_axes(self.unembedding(), batch_axes(type_sharding(hidden)))
         return jnp.einsum("btd,dv->btv", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
     def __call__(self, input_ids, positions=None, segment_ids=None) -> jax.Array:
@@ -297,6 +333,7 @@ class Qwen3(nnx.Module):
             # layer (scan xs/ys) would copy the whole cache every step.
             h, k_pool, v_pool = carry
             p, index = xs
+            p = self._gathered(p, h)
             x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
             q, k, v = self._qkv(p, x, positions)
             with jax.named_scope("kv_write"):

@@ -1,4 +1,4 @@
-"""How the model's logical axes land on a device mesh.
+"""How the model's logical axes land on a device mesh, of either axis type.
 
 Every parameter carries logical axis names (metadata ``logical_axes``) and the main activations have
 fixed logical layouts (`ACTIVATION_AXES`); a rules table maps those names to the mesh axes
@@ -6,6 +6,12 @@ fixed logical layouts (`ACTIVATION_AXES`); a rules table maps those names to the
 sharded initialisation and memory plans are in the `parallel` package, which imports this module
 (never the reverse). `MESH_AXES` and `DEFAULT_RULES` live in `rstar_jax.model.config`, so that
 configs are checked without jax, and are re-exported here.
+
+A mesh's axes are Auto (XLA's partitioner places what is not constrained: `Mesh`'s default, and
+`rstar_jax.parallel.make_mesh`'s) or Explicit (every array's sharding is part of its type:
+`jax.make_mesh`'s default since jax 0.10). `constrain`, `type_sharding` and `gather_axes` are the
+model's one place that tells them apart, so it runs on meshes of either type (`rstar_jax.rl`,
+which imports no other layer, has its own copy for the log-prob head).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from rstar_jax.model.config import DEFAULT_RULES, MESH_AXES  # jax-free, for config checks; re-exported
 
@@ -27,6 +33,58 @@ ACTIVATION_AXES = {
     "act_btd": ("batch", "length", "embed_act"),
     "act_bthd": ("batch", "length", "heads", "head_dim"),
 }
+
+
+def spec_axes(entry) -> tuple[str, ...]:
+    """A PartitionSpec entry (None, a name or a tuple of names) as a tuple of mesh axis names."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def spec_entry(axes: Sequence[str]):
+    """The PartitionSpec entry of a sequence of mesh axis names (the inverse of `spec_axes`)."""
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def batch_axes(sharding) -> tuple[str, ...]:
+    """The mesh axes that shard dimension 0 (the batch) under `sharding`; none for None."""
+    return spec_axes((tuple(sharding.spec) + (None,))[0]) if sharding is not None else ()
+
+
+def explicit_axes(sharding) -> frozenset[str]:
+    """The Explicit axes of a sharding's mesh (a NamedSharding, or an array type's sharding)."""
+    mesh = getattr(sharding, "mesh", None)
+    types = getattr(mesh, "axis_types", None) or ()
+    return frozenset(name for name, t in zip(getattr(mesh, "axis_names", ()), types) if t == AxisType.Explicit)
+
+
+def type_sharding(x) -> NamedSharding | None:
+    """`x`'s sharding when its type carries one (Explicit axes), else None. It is the `out_sharding`
+    of an op whose output JAX cannot infer there (an einsum contracting a sharded dimension): under
+    Auto axes None lets XLA choose, as before."""
+    sharding = jax.typeof(x).sharding
+    return sharding if explicit_axes(sharding) else None
+
+
+def constrain(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """Lays `x` out as `sharding` on either axis type: `with_sharding_constraint` on Auto axes (a
+    hint XLA's partitioner follows), `reshard` on Explicit ones (there `with_sharding_constraint` only
+    asserts the type). On a mesh mixing both, only its Explicit axes are kept."""
+    explicit = explicit_axes(sharding)
+    if not explicit:
+        return jax.lax.with_sharding_constraint(x, sharding)
+    spec = PartitionSpec(*(spec_entry([a for a in spec_axes(e) if a in explicit]) for e in sharding.spec))
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, spec))
+
+
+def gather_axes(x: jax.Array, axes: Sequence[str]) -> jax.Array:
+    """Under Explicit axes, `x` resharded without mesh `axes` (an FSDP-sharded weight gathered over
+    the axes that shard the batch, before it is used); unchanged under Auto axes, where XLA's
+    partitioner gathers it itself."""
+    sharding = type_sharding(x)
+    if sharding is None or not set(axes) & {a for e in sharding.spec for a in spec_axes(e)}:
+        return x
+    spec = PartitionSpec(*(spec_entry([a for a in spec_axes(e) if a not in axes]) for e in sharding.spec))
+    return jax.sharding.reshard(x, NamedSharding(sharding.mesh, spec))
 
 
 def rules_dict(rules) -> dict:
@@ -118,6 +176,7 @@ def set_activation_shardings(model: Qwen3, mesh: Mesh, rules=DEFAULT_RULES) -> Q
 
 
 __all__ = [
-    "MESH_AXES", "DEFAULT_RULES", "ACTIVATION_AXES", "rules_dict", "logical_to_spec", "logical_sharding",
+    "MESH_AXES", "DEFAULT_RULES", "ACTIVATION_AXES", "spec_axes", "spec_entry", "batch_axes", "explicit_axes",
+    "type_sharding", "constrain", "gather_axes", "rules_dict", "logical_to_spec", "logical_sharding",
     "param_shardings", "state_shardings", "set_activation_shardings",
 ]
