@@ -15,7 +15,7 @@ questions, same samples drawn per question) at step 0, every `--eval-every` step
 - `roc_tis`: GRPO-RoC with rollout correction, token-level truncated importance sampling
   (`rl.rollout_is=token`, cap `rl.rollout_is_threshold`) of the in-process engine's small mismatch;
 - `bf16`, `bf16_tis`: the mismatch made real: rollouts from a `rstar_jax.serve` server
-  (`rollout.local_servers=1`) holding the policy in bfloat16 (the export and `weight_sync.dtype`)
+  (`rollout.local_servers=1`) holding the policy in bfloat16 (`weight_sync.dtype=bfloat16`)
   while the trainer computes in float32, as SGLang beside an fp32 trainer; without and with the
   correction.
 
@@ -46,8 +46,9 @@ VARIANTS = {
     "grpo": ["--config.rollout.rollouts_per_prompt={group}"],
     "no_tool": ["--config.rollout.tools=False"],
     "roc_tis": ["--config.rl.rollout_is=token"],
-    "bf16": ["--config.rollout.backend=sglang", "--config.rollout.local_servers=1"],
-    "bf16_tis": ["--config.rollout.backend=sglang", "--config.rollout.local_servers=1", "--config.rl.rollout_is=token"],
+    "bf16": ["--config.rollout.backend=sglang", "--config.rollout.local_servers=1", "--config.weight_sync.dtype=bfloat16"],
+    "bf16_tis": ["--config.rollout.backend=sglang", "--config.rollout.local_servers=1", "--config.weight_sync.dtype=bfloat16",
+                 "--config.rl.rollout_is=token"],
 }
 DEFAULT_VARIANTS = ("roc", "grpo", "no_tool")
 CURVES = ("eval/pass@1", "eval/tool_error_rate_positive", "eval/tool_calls_mean", "eval/response_length_mean")

@@ -57,5 +57,6 @@ def mismatch_sums(log_ratio, mask):
     k3 = Σ (ρ − log ρ − 1) (Schulman's low-variance estimator), as verl's `kl` and `k3_kl`."""
     on = mask > 0
     safe = jnp.clip(log_ratio, -SAFETY_BOUND, SAFETY_BOUND)
+    # expm1: for the small log-ratios of a near-on-policy batch, exp(x) - x - 1 in float32 is all rounding.
     return (jnp.sum(jnp.where(on, -log_ratio, 0.0)),
-            jnp.sum(jnp.where(on, jnp.exp(safe) - safe - 1.0, 0.0)))
+            jnp.sum(jnp.where(on, jnp.expm1(safe) - safe, 0.0)))
