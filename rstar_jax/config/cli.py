@@ -208,9 +208,11 @@ def check_overrides(argv: Sequence[str], config: ConfigDict, config_index: int =
 
 
 def _sets_none(override: _Override, kind) -> bool:
-    """`--config.a.b=None` on a scalar field: config_flags parses it only for dataclass fields."""
-    return (override.raw is not None and override.raw.strip() in ("None", "none") and not override.negated
-            and kind not in (None, ConfigDict, bool, tuple, list))
+    """`--config.a.b=None` on a scalar field: config_flags parses it only for dataclass fields. On a
+    string field only `None` itself: `none` is a name there (`model.remat_policy=none`)."""
+    if override.raw is None or override.negated or kind in (None, ConfigDict, bool, tuple, list):
+        return False
+    return override.raw.strip() in (("None",) if kind is str else ("None", "none"))
 
 
 def none_overrides(argv: Sequence[str], config: ConfigDict) -> list[_Override]:

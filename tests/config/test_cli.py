@@ -290,3 +290,8 @@ def test_none_sets_an_optional_field_and_is_refused_by_a_required_one(tmp_path):
     assert json.loads(gspo.stdout)["rl"]["dual_clip"] is None
     steps = _run("rstar_jax.config", "--config.train.steps=None", "--config.rl.dual_clip=none", cwd=tmp_path)
     assert steps.returncode == 2 and _errors(steps) == ["config.train.steps: must be a positive integer, got None"]
+    # On a string field `none` is a name, not None.
+    names = _run("rstar_jax.config", "--config.model.remat_policy=none", "--config.rl.rollout_is=None", cwd=tmp_path)
+    assert names.returncode == 0, names.stderr[-2000:]
+    printed = json.loads(names.stdout)
+    assert printed["model"]["remat_policy"] == "none" and printed["rl"]["rollout_is"] is None
