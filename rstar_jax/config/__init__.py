@@ -568,9 +568,9 @@ def _check_values(check: Checker) -> None:
     rl = config.rl
     check.build(lambda: resolve.roc_config(config))
     if check.ok("rl.roc_min_per_class", "rl.group_size"):  # more makes the release counts in rl/roc.py negative
-        check.require(rl.roc_min_per_class <= rl.group_size // 2, "rl.roc_min_per_class",
-                      f"must be at most rl.group_size // 2 = {rl.group_size // 2} (the release variant keeps this "
-                      f"many negatives and this many positives among rl.group_size), got {rl.roc_min_per_class}")
+        check.require(rl.roc_min_per_class <= rl.group_size, "rl.roc_min_per_class",
+                      f"must be at most rl.group_size = {rl.group_size} (the release variant keeps at least this "
+                      f"many of each class among rl.group_size), got {rl.roc_min_per_class}")
     check.build(lambda: resolve.loss_config(config))
     for field in ("rl.rollout_is", "rl.rollout_rs"):
         if resolve.config_value(config, field) is not None and rl.use_sampler_logprobs:

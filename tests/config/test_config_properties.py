@@ -183,7 +183,7 @@ CANNOT_WORK = [
     ("base", "rollout.generate_timeout_s", -1.0, r"must be in \[0\.0, 86400\.0\] \(0: no limit\)"),
     ("base", "rollout.kv_scheduler.reconcile_interval_s", 1e30, r"must be in \[0\.0, 86400\.0\]"),
     ("base", "sft.warmup_ratio", math.nan, r"must be a finite number"),
-    ("base", "rl.roc_min_per_class", 10**12, r"must be at most rl\.group_size // 2 = 8"),
+    ("base", "rl.roc_min_per_class", 10**12, r"must be at most rl\.group_size = 16"),
     ("base", "mesh.data", -1, r"only one axis may be -1 \(the remaining devices\) and mesh\.fsdp is -1"),
     ("base", "model.overrides.num_kv_heads", 10**12, r"must divide model\.overrides\.num_heads"),
     ("tiny", "model.overrides.num_heads", 3, r"must be a multiple of model\.overrides\.num_kv_heads \(2\)"),
