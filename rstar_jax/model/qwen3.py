@@ -111,6 +111,23 @@ def xla_attention(q, k, v, mask):
     return out.reshape(b, t, h, hd)
 
 
+def single_query_attention(q, k, v, mask):
+    """xla_attention for one query per row (decode), as multiply-reduce: q [B,1,H,hd], k/v [B,S,Hkv,hd].
+
+    A batched dot over (B, Hkv) wants K and V laid out [B, Hkv, S, hd], so XLA transposes the whole
+    gathered span twice per layer; at one query per row the work is a memory-bound reduction, which
+    reads K and V once where they lie.
+    """
+    b, t, h, hd = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(b, kv_heads, h // kv_heads, hd).astype(jnp.float32)
+    scores = jnp.sum(q[:, None] * k[:, :, :, None, :].astype(jnp.float32), axis=-1) / np.sqrt(hd)  # [B,S,Hkv,G]
+    scores = jnp.where(mask[:, 0, :, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=1)
+    out = jnp.sum(probs[..., None] * v[:, :, :, None, :].astype(jnp.float32), axis=1)  # [B,Hkv,G,hd]
+    return out.astype(v.dtype).reshape(b, t, h, hd)
+
+
 def cudnn_attention(q, k, v, segment_ids):
     """cuDNN fused attention through the public API; the score matrix is never materialised.
 
@@ -344,7 +361,8 @@ class Qwen3(nnx.Module):
                 k_seq = k_pool.at[index, page_table].get(mode="clip").reshape(b, span, *k_pool.shape[3:])
                 v_seq = v_pool.at[index, page_table].get(mode="clip").reshape(b, span, *v_pool.shape[3:])
             with jax.named_scope("attention"):
-                attn = xla_attention(q, k_seq.astype(q.dtype), v_seq.astype(q.dtype), mask)
+                attend = single_query_attention if input_ids.shape[1] == 1 else xla_attention
+                attn = attend(q, k_seq.astype(q.dtype), v_seq.astype(q.dtype), mask)
             return (self._finish_layer(p, h, attn), k_pool, v_pool), None
 
         layers = jnp.arange(c.num_layers, dtype=jnp.int32)

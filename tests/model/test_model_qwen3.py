@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rstar_jax.model.qwen3 import Qwen3, Qwen3Config, dtype_name, sequence_positions
+from rstar_jax.model.qwen3 import (Qwen3, Qwen3Config, dtype_name, sequence_positions, single_query_attention,
+                                   xla_attention)
 from rstar_jax.parallel import DEFAULT_RULES, create_sharded_model, make_mesh, memory_plan, param_shardings
 
 CONFIG = Qwen3Config.tiny()
@@ -218,6 +219,25 @@ def test_remat_policies_give_identical_gradients(model, policy):
     _, grads = _loss_and_grads(remat, ids)
     for (path, a), (_, b) in zip(nnx.to_flat_state(ref), nnx.to_flat_state(grads)):
         np.testing.assert_allclose(a[...], b[...], atol=1e-6, err_msg=str(path))
+
+
+@pytest.mark.parametrize("dtype, tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 2e-2)])
+def test_decode_attention_equals_the_batched_dot(dtype, tol):
+    """The decode step's multiply-reduce attention against xla_attention at one query per row:
+    grouped heads, rows of different lengths, masked positions holding garbage."""
+    rng = np.random.default_rng(0)
+    b, s, h, kv_heads, hd = 3, 40, 8, 2, 16
+    q, k, v = (jnp.asarray(rng.normal(size=shape), dtype) for shape in ((b, 1, h, hd), (b, s, kv_heads, hd),
+                                                                      (b, s, kv_heads, hd)))
+    lengths = jnp.asarray([1, 17, 40])
+    mask = (jnp.arange(s)[None, :] < lengths[:, None])[:, None, :]
+    k = jnp.where(mask[:, 0, :, None, None], k, 1e4)  # what an unallocated page may hold
+    got = single_query_attention(q, k, v, mask)
+    want = xla_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask)
+    assert got.dtype == dtype and got.shape == q.shape
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.asarray(got[0, 0], np.float32), np.asarray(v[0, 0], np.float32)
+                               .repeat(h // kv_heads, axis=0), atol=tol)  # one visible position: its V
 
 
 @pytest.mark.gpu
