@@ -198,6 +198,7 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     tokens: list[int] = dataclasses.field(default_factory=list)
     logprobs: list[float] = dataclasses.field(default_factory=list)
+    versions: list[int] = dataclasses.field(default_factory=list)  # the weights' version per sampled token
     retractions: int = 0
     cached_tokens: int = 0  # context tokens whose KV came from the prefix cache at first admission
     submitted: float = dataclasses.field(default_factory=time.perf_counter)
@@ -232,7 +233,8 @@ class _Scheduler:
 
     def _resolve(self, request: _Request, reason: str) -> None:
         result = GenerateResult(list(request.tokens), list(request.logprobs), reason, self._version,
-                                num_retractions=request.retractions, cached_tokens=request.cached_tokens)
+                                num_retractions=request.retractions, cached_tokens=request.cached_tokens,
+                                token_versions=tuple(request.versions))
         request.loop.call_soon_threadsafe(lambda: request.future.done() or request.future.set_result(result))
 
     def _free_slot(self, slot: int, keep_prefix: bool = False) -> _Request:
@@ -498,6 +500,7 @@ class _Scheduler:
     def _append(self, request: _Request, token: int, logprob: float) -> None:
         request.tokens.append(token)
         request.logprobs.append(logprob)
+        request.versions.append(self._version)
         self.generated_tokens += 1
         if request.on_token is not None:  # queued before the result: the caller sees every token first
             request.loop.call_soon_threadsafe(self._deliver, request, token, logprob)
@@ -762,14 +765,20 @@ class JaxEngine(_Scheduler):
                         queued_requests=queued, retracted_requests=retracted, context_length=self.max_length,
                         max_input_tokens=self.max_length - 1)
 
-    def update_weights(self, model_or_state, *, abort_in_flight: bool = False, version: int | None = None) -> int:
+    def update_weights(self, model_or_state, *, abort_in_flight: bool = False, in_place: bool = False,
+                       version: int | None = None) -> int:
         """Swaps in new parameters (a `Qwen3` or its `nnx.State`) and returns the new version.
 
-        Parameters are resharded onto the engine's placements when they live elsewhere. Without
-        `abort_in_flight`, running and retracted requests finish on the old weights first (new ones
-        wait); with it they end at once with reason "abort" and their partial tokens. While the engine
-        is paused the swap happens at once. Blocks until the swap is done.
+        Parameters are resharded onto the engine's placements when they live elsewhere. By default
+        running and retracted requests finish on the old weights first (new ones wait); with
+        `abort_in_flight` they end at once with reason "abort" and their partial tokens; with
+        `in_place` the swap happens between two engine steps and they go on under the new weights
+        (SGLang's in-place pause: their KV so far is the old weights'), each sampled token keeping
+        the version that produced it (`GenerateResult.token_versions`). While the engine is paused
+        the swap happens at once. Blocks until the swap is done.
         """
+        if abort_in_flight and in_place:
+            raise ValueError("update_weights: abort_in_flight and in_place exclude each other")
         state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
         if jax.tree.structure(state) != jax.tree.structure(self._state):
             raise ValueError("update_weights: the new parameters do not match the engine's model structure")
@@ -788,7 +797,7 @@ class JaxEngine(_Scheduler):
                     if abort_in_flight:
                         self._abort_in_flight()
                     drained = all(r is None for r in self._active) and not self._retracted
-                    if drained or self._pause_mode is not None:
+                    if drained or in_place or self._pause_mode is not None:
                         self._drop_prefixes()  # their KV came from the old weights
                         self._state = new_state
                         self._version = self._version + 1 if version is None else int(version)

@@ -166,8 +166,10 @@ class TextRequest:
             return TextOutcome(result, None, None)
         matched = self.decoder.matched
         if matched is not None:  # ended by the stop string: drop what was sampled after it
+            versions = None if result.token_versions is None else result.token_versions[:len(self.tokens)]
             result = GenerateResult(list(self.tokens), list(self.logprobs), FINISH_STOP, result.weight_version,
-                                    num_retractions=result.num_retractions, cached_tokens=result.cached_tokens)
+                                    num_retractions=result.num_retractions, cached_tokens=result.cached_tokens,
+                                    token_versions=versions)
         return TextOutcome(result, self.decoder.text(), matched)
 
     def close(self) -> None:

@@ -215,7 +215,8 @@ async def run_trajectory(
             traj.response_ids += list(result.token_ids)
             traj.loss_mask += [1] * len(result.token_ids)
             traj.sampler_logprobs += [float(x) for x in result.logprobs]
-            traj.policy_versions += [result.weight_version] * len(result.token_ids)
+            traj.policy_versions += (list(result.token_versions) if result.token_versions is not None
+                                     else [result.weight_version] * len(result.token_ids))
             traj.n_retractions += result.num_retractions
             turn_ids += list(result.token_ids)
             if result.finish_reason == FINISH_ABORT:

@@ -83,12 +83,18 @@ class GenerateResult:
     weight_version: int = 0  # policy version that produced the tokens (the last one, if it changed)
     num_retractions: int = 0  # times KV pressure retracted the request (its tokens were recomputed)
     cached_tokens: int = 0  # context tokens whose KV a prefix cache supplied (not prefilled again)
+    # The version that sampled each token, where the generator reports it (the in-process engine,
+    # whose weights can change under a running request); None: every token is `weight_version`'s.
+    token_versions: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
             raise ValueError(
                 f"GenerateResult: {len(self.token_ids)} token ids but {len(self.logprobs)} log-probs"
             )
+        if self.token_versions is not None and len(self.token_versions) != len(self.token_ids):
+            raise ValueError(f"GenerateResult: {len(self.token_ids)} token ids but "
+                             f"{len(self.token_versions)} token versions")
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"GenerateResult.finish_reason {self.finish_reason!r} not in {FINISH_REASONS}")
 

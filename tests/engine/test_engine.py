@@ -626,3 +626,39 @@ def test_chunked_prefill_matches_unchunked_and_lets_others_decode(model, sharing
         _assert_no_leaks(eng)
     finally:
         eng.close()
+
+
+def test_in_place_update_swaps_between_steps_and_tokens_keep_their_versions(model):
+    """Asynchronous RL's push: a running request is not drained; it goes on under the new weights,
+    and each sampled token reports the version that produced it."""
+    eng = JaxEngine(model, slots=2, max_length=64, prefill_buckets=(16,))
+    other = Qwen3(CONFIG, rngs=nnx.Rngs(1))
+    prompt = _prompt(7, 6)
+    long = SamplingParams(max_new_tokens=57, temperature=0.0)
+    try:
+        assert eng.update_weights(other) == 1
+        with pytest.raises(ValueError, match="exclude each other"):
+            eng.update_weights(model, abort_in_flight=True, in_place=True)
+
+        async def swap_while_running():
+            for _ in range(5):  # on a loaded machine the request can finish before the lock is taken
+                task = asyncio.ensure_future(eng.generate(prompt, long, rid="cafe0001"))
+                await _wait_for_tokens(eng, "cafe0001")
+                with eng._lock:  # between two engine steps
+                    running = [r for r in eng._active if r is not None]
+                    if running:
+                        produced = len(running[0].tokens)
+                        assert eng.update_weights(model, in_place=True, version=7) == 7
+                result = await task
+                if running:
+                    return result, produced
+                eng.update_weights(other, version=1)
+            raise AssertionError("the request never stayed running long enough")
+
+        result, produced = asyncio.run(swap_while_running())
+        assert result.finish_reason == "length" and len(result.token_ids) == 57 > produced
+        assert result.token_versions == (1,) * produced + (7,) * (57 - produced)
+        assert result.weight_version == 7
+        assert result.token_ids[:produced] == _reference(other, prompt, produced)[0]
+    finally:
+        eng.close()

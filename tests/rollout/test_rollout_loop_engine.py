@@ -8,6 +8,7 @@ engine log-prob at its position: the context the engine saw is exactly the recor
 
 import asyncio
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -83,3 +84,44 @@ def test_engine_log_probs_align_with_the_recorded_sequence():
         # Sampled (scripted or engine) tokens carry loss mask 1, observation tokens 0.
         assert [m for m in t.loss_mask] == [int(v != -1) for v in t.policy_versions]
         assert t.response_ids[:len(TOK.encode(first))] == TOK.encode(first)
+
+
+def test_a_turn_interrupted_by_an_in_place_push_continues_and_is_scored():
+    """Asynchronous RL's weight push mid-turn: the engine swaps between two decode steps, the turn
+    goes on under the new weights, the trajectory ends as it would have and is scored, and its
+    sampled tokens carry the version that produced each (old, then new)."""
+    config = dataclasses.replace(Qwen3Config.tiny(), max_position_embeddings=4096)
+    model = Qwen3(config, rngs=nnx.Rngs(0))
+    engine = JaxEngine(model, slots=2, max_length=2304, prefill_buckets=(2304,))
+    first = f"Let me run it. {call('print(2 + 2)')}{IM_END}"
+    swapped = []
+
+    def push_mid_turn():
+        for _ in range(20_000):
+            with engine._lock:  # between two engine steps
+                running = [r for r in engine._active if r is not None]
+                if running and len(running[0].tokens) >= 8:
+                    swapped.append(engine.update_weights(Qwen3(config, rngs=nnx.Rngs(1)), in_place=True, version=1))
+                    return
+            time.sleep(0.001)
+
+    try:
+        cfg = LoopConfig(max_turns=4, response_budget=len(TOK.encode(first)) + 200,
+                         tool_env=ToolEnv.preset_defaults("rich", observation_max_chars=64))
+
+        async def main():
+            pusher = asyncio.create_task(asyncio.to_thread(push_mid_turn))
+            trajectory = await run_trajectory(ScriptedFirstTurn(engine, first), TOK, FakeExecutor(), "What is 2+2?",
+                                              "4", config=cfg, scorer=exact_scorer)
+            await pusher
+            return trajectory
+
+        t = asyncio.run(main())
+    finally:
+        engine.close()
+    assert swapped == [1]
+    t.check()
+    sampled = [v for v, m in zip(t.policy_versions, t.loss_mask) if m and v != SCRIPTED_VERSION]
+    assert sampled[:8] == [0] * 8 and sampled[-1] == 1 and sampled == sorted(sampled)
+    assert t.finish_reason and t.finish_reason != "aborted" and t.n_abort_resumes == 0
+    assert t.reward in (0.0, 1.0) and t.n_tool_calls >= 1
