@@ -196,6 +196,13 @@ def get_config() -> ml_collections.ConfigDict:
     # rstar_jax.aot`) peaks at 82 GiB per device with one row, 153 GiB with the release's two.
     c.rl.micro_batch_tokens = 10240
     c.rl.use_sampler_logprobs = False  # False: recompute old log-probs with the trainer, as verl does
+    # Asynchronous RL with bounded staleness. 0: synchronous, as the paper (a step generates, then
+    # trains, then pushes). K >= 1: the rollouts of step s start once step s - K - 1 is trained, so
+    # generation of the next K steps overlaps the update and the long tail; weights are pushed while
+    # rollouts run (the in-process engine swaps between two decode steps; servers need
+    # weight_sync.mode "pause" or "abort"); every trained token is at most K versions old; and the
+    # rollout correction is on (rl.rollout_is defaults to "token" when not set).
+    c.rl.max_staleness = 0
 
     c.optim = ml_collections.ConfigDict()
     c.optim.lr = 1e-6  # spec §5.3: constant lr 1e-6 after a 20-step linear warm-up

@@ -593,7 +593,7 @@ def weight_sync(config, resources: RolloutResources) -> WeightSync:
     `/update_weights_from_disk`, or SGLang's distributed update (its group is destroyed when
     `resources` close)."""
     if resources.engine is not None:
-        return EngineSync(resources.engine)
+        return EngineSync(resources.engine, in_place=config.rl.max_staleness >= 1)
     w = config.weight_sync
     dtype = w.dtype or config.model.param_dtype
     if w.method == "distributed":

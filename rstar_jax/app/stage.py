@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import pathlib
 
+import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -26,7 +27,7 @@ from rstar_jax.errors import ConfigError
 from rstar_jax.app import builders
 from rstar_jax.train.checkpoint import Checkpointer, checkpoints_directory
 from rstar_jax.app.held_out import HeldOutEvaluation
-from rstar_jax.train.loop import RLLoop, is_rl_line, sft_loop
+from rstar_jax.train.loop import PromptLookahead, RLLoop, is_rl_line, sft_loop
 from rstar_jax.train.metrics import MetricsWriter
 from rstar_jax.train.step import lr_schedule, make_optimizer
 from rstar_jax.train.trainer import RLTrainer
@@ -159,6 +160,12 @@ def run_rl(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempla
     optimizer_config = resolve.optimizer_config(config)
     optimizer = make_optimizer(model, optimizer_config)
     begin = _restore(config, model, optimizer, tokenizer, train_files, metrics, checkpointer)
+    if config.rl.max_staleness >= 1:
+        if jax.process_count() > 1:
+            raise ConfigError(f"config.rl.max_staleness={config.rl.max_staleness}: asynchronous RL runs in one "
+                              f"trainer process for now; this job has {jax.process_count()} (set it to 0)")
+        # Read ahead by the producer; checkpoints record the first step not yet trained.
+        begin = dataclasses.replace(begin, prompts=PromptLookahead(begin.prompts))
     start, prompts = begin.step, begin.prompts
     settings = resolve.rl_settings(config, builders.data_parallel(mesh))
     evaluation = HeldOutEvaluation.from_config(config, tokenizer, template) if config.train.eval_every else None
@@ -187,7 +194,7 @@ def run_rl(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempla
                           rollouts_run_dir=pathlib.Path(config.run_dir) if config.metrics.save_rollouts else None,
                           stage=config.stage, scheduler=resources.scheduler, evaluate=evaluation,
                           eval_every=config.train.eval_every, progress=config.metrics.progress_bar,
-                          step_offset=begin.step_offset)
+                          step_offset=begin.step_offset, max_staleness=config.rl.max_staleness)
             return await loop.run(start)
 
     engine = builders.make_engine(config, model, mesh) if config.rollout.backend == "jax" else None

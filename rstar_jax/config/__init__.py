@@ -572,6 +572,12 @@ def _check_values(check: Checker) -> None:
                       f"must be at most rl.group_size = {rl.group_size} (the release variant keeps at least this "
                       f"many of each class among rl.group_size), got {rl.roc_min_per_class}")
     check.build(lambda: resolve.loss_config(config))
+    if check.positive_int("rl.max_staleness", allow_zero=True) and rl.max_staleness >= 1 \
+            and r.backend != "jax" and check.ok("weight_sync.mode"):
+        check.require(config.weight_sync.mode in ("pause", "abort"), "weight_sync.mode",
+                      f"must be 'pause' or 'abort' under rl.max_staleness={rl.max_staleness}: weights are pushed "
+                      f"while rollouts run, and 'wait' holds each push until the servers drain, got "
+                      f"{config.weight_sync.mode!r}")
     for field in ("rl.rollout_is", "rl.rollout_rs"):
         if resolve.config_value(config, field) is not None and rl.use_sampler_logprobs:
             check.fail(field, "compares the trainer's recomputed log-probs with the sampler's, which "

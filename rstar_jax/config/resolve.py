@@ -155,7 +155,17 @@ def loss_config(config: ml_collections.ConfigDict) -> LossConfig:
     scale = config.rl.loss_scale_factor
     given = {"loss_scale_factor": ("rollout.response_budget", config.rollout.response_budget) if scale is None
              else ("rl.loss_scale_factor", scale)}
+    if off_policy_correction_default(config):
+        given["rollout_is"] = ("rl.max_staleness", "token")
     return build(LossConfig, config, "rl", given=given)
+
+
+def off_policy_correction_default(config: ml_collections.ConfigDict) -> bool:
+    """Under rl.max_staleness >= 1 the sampler's policy lags the trainer's: token-level rollout IS is
+    on unless rl.rollout_is is set (it needs the trainer's recomputed pi_old beside the sampler's)."""
+    rl = config.rl
+    return (isinstance(rl.max_staleness, int) and rl.max_staleness >= 1 and rl.rollout_is is None
+            and not rl.use_sampler_logprobs)
 
 
 def optimizer_config(config: ml_collections.ConfigDict) -> OptimizerConfig:
@@ -191,5 +201,5 @@ def rl_settings(config: ml_collections.ConfigDict, data_parallel: int = 1) -> RL
     """Everything one RL step needs beside the model and the optimizer."""
     return RLSettings(rollouts_per_prompt=config.rollout.rollouts_per_prompt, loop=loop_config(config),
                       roc=roc_config(config), loss=loss_config(config), batch=batch_config(config, data_parallel),
-                      seed=config.seed,
-                      chunk_size=config.rl.logprob_chunk_size, max_concurrency=config.rollout.max_concurrency)
+                      seed=config.seed, chunk_size=config.rl.logprob_chunk_size,
+                      max_concurrency=config.rollout.max_concurrency, max_staleness=config.rl.max_staleness)

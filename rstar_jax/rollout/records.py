@@ -46,6 +46,8 @@ def trajectory_record(traj: Trajectory, decode, **extra: Any) -> dict:
         "response_length": len(traj.response_ids),
         "num_sampled_tokens": traj.num_sampled_tokens,
         "policy_version": traj.policy_version,
+        # Per response token, run-length coded [[version, count], ...]: -1 marks tool tokens.
+        "policy_version_runs": _runs(traj.policy_versions),
         "prompt_ids": [int(t) for t in traj.prompt_ids],
         "response_ids": [int(t) for t in traj.response_ids],
         "loss_mask": [int(m) for m in traj.loss_mask],
@@ -54,6 +56,16 @@ def trajectory_record(traj: Trajectory, decode, **extra: Any) -> dict:
         "response_text": decode(traj.response_ids),
     }
     return record
+
+
+def _runs(values) -> list[list[int]]:
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and runs[-1][0] == v:
+            runs[-1][1] += 1
+        else:
+            runs.append([int(v), 1])
+    return runs
 
 
 def append_records(path: str | pathlib.Path, records: Iterable[dict]) -> int:

@@ -89,10 +89,13 @@ class RLSettings:
     seed: int  # the run's seed; RoC's draw at step s is seeded with (seed, s)
     chunk_size: int = 1024
     max_concurrency: int = 64
+    max_staleness: int = 0  # K: every trained token at most K policy versions old (0: synchronous RL)
 
     def __post_init__(self):
         if self.rollouts_per_prompt < self.roc.group_size:
             raise ValueError(f"RLSettings.rollouts_per_prompt ({self.rollouts_per_prompt}) must be >= RoC's "
                              f"group_size ({self.roc.group_size})")
+        if self.max_staleness < 0:
+            raise ValueError(f"RLSettings.max_staleness must be >= 0, got {self.max_staleness}")
         if not self.loop.temperature > 0:
             raise ValueError(f"RLSettings: RL samples at a temperature > 0, got {self.loop.temperature}")

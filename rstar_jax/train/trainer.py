@@ -15,6 +15,7 @@ client and the verifier), so the loop itself never runs untrusted code.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -136,14 +137,21 @@ class RLTrainer:
                         "time/update_s": time.perf_counter() - t0})
         return metrics
 
-    async def astep(self, prompts: list[tuple[str, str]], *, step: int) -> tuple[dict, list[Trajectory]]:
-        """One RL step (0-based `step`: group ids and RoC's draw derive from it, so a step is
-        reproducible from its number alone). Generators get the new weights, version step + 1,
-        before the next step samples (synchronous RL)."""
+    async def generate(self, prompts: list[tuple[str, str]], *, step: int) -> tuple[list[Trajectory], float]:
+        """Step `step`'s trajectories (group ids from step x prompts) and the seconds they took."""
         t0 = time.perf_counter()
         trajectories = await self.rollout_shared(prompts, first_group_id=step * len(prompts))
-        rollout_s = time.perf_counter() - t0
-        metrics = self.update(trajectories, step=step)
+        return trajectories, time.perf_counter() - t0
+
+    async def finish(self, trajectories: list[Trajectory], *, step: int, rollout_s: float,
+                     in_thread: bool = False) -> dict:
+        """The update of step `step` on `trajectories`, the push of version step + 1 when it updated,
+        and the step's metrics. `in_thread`: the update runs off the event loop, so rollouts of
+        later steps go on meanwhile (asynchronous RL)."""
+        if in_thread:
+            metrics = await asyncio.to_thread(self.update, trajectories, step=step)
+        else:
+            metrics = self.update(trajectories, step=step)
         if not metrics["update/skipped"]:
             metrics["time/weight_sync_s"] = await self.sync_weights(step + 1)
             # Server syncs split it: the trainer's export, the transfer, forming the group.
@@ -158,4 +166,11 @@ class RLTrainer:
             "time/sandbox_calls_s": sandbox_s,
             "time/sandbox_call_mean_s": sandbox_s / max(1, sum(t.n_tool_calls for t in trajectories)),
         })
-        return metrics, trajectories
+        return metrics
+
+    async def astep(self, prompts: list[tuple[str, str]], *, step: int) -> tuple[dict, list[Trajectory]]:
+        """One RL step (0-based `step`: group ids and RoC's draw derive from it, so a step is
+        reproducible from its number alone). Generators get the new weights, version step + 1,
+        before the next step samples (synchronous RL)."""
+        trajectories, rollout_s = await self.generate(prompts, step=step)
+        return await self.finish(trajectories, step=step, rollout_s=rollout_s), trajectories

@@ -128,10 +128,13 @@ class _ServerSync:
 
 
 class EngineSync:
-    """The in-process engine samples from `model`'s current parameters after `push`."""
+    """The in-process engine samples from `model`'s current parameters after `push`. `in_place`
+    (asynchronous RL): the swap happens between two engine steps and running requests go on under the
+    new weights, each token keeping its version; otherwise they finish on the old weights first."""
 
-    def __init__(self, engine: JaxEngine):
+    def __init__(self, engine: JaxEngine, *, in_place: bool = False):
         self.engine = engine
+        self.in_place = in_place
         self.version = engine.version
 
     async def push(self, model, version: int) -> None:
@@ -139,7 +142,8 @@ class EngineSync:
         # trained parameters (a collective, so here on the loop's thread, in step with the others).
         source = multihost.host_state(model) if jax.process_count() > 1 else model
         # update_weights blocks until running requests drain; keep the event loop free meanwhile.
-        self.version = await asyncio.to_thread(self.engine.update_weights, source, version=version)
+        self.version = await asyncio.to_thread(self.engine.update_weights, source, version=version,
+                                               in_place=self.in_place)
 
     def stats(self) -> dict[str, float]:
         return {}  # one swap in place: time/weight_sync_s is all of it

@@ -44,6 +44,9 @@ def test_default_run_warms_up_with_sft_then_trains_with_grpo_roc(tiny_run):
     for r in records:
         assert len(r["response_ids"]) == len(r["loss_mask"]) == r["response_length"] <= 448
         assert r["n_tool_calls"] == len(r["tool_statuses"])
+        # Synchronous RL (rl.max_staleness 0): every sampled token came from the policy its step trained.
+        assert {v for v, _ in r["policy_version_runs"] if v >= 0} <= {r["trained_version"]}
+        assert not any(key.startswith("async/") for key in lines[-1])
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())[-1] == 3
     for export in ("sft_warmup", "step_3", "final"):
         assert (run / "hf" / export / "model.safetensors").exists(), export
