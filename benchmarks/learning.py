@@ -17,13 +17,19 @@ questions, same samples drawn per question) at step 0, every `--eval-every` step
 - `bf16`, `bf16_tis`: the mismatch made real: rollouts from a `rstar_jax.serve` server
   (`rollout.local_servers=1`) holding the policy in bfloat16 (`weight_sync.dtype=bfloat16`)
   while the trainer computes in float32, as SGLang beside an fp32 trainer; without and with the
-  correction.
+  correction;
+- `async1`, `async2`: asynchronous RL (`rl.max_staleness` 1 and 2) on the in-process engine
+  (colocated), with its default token-level rollout correction; `roc` is their K = 0;
+- `async1_servers`, `sync_servers`: K = 1 and K = 0 with two `rstar_jax.serve` servers
+  (`rollout.local_servers=2`, pushes in `pause` mode; disaggregated, though on this machine's cores).
 
 Printed and written to `<out>/learning.json` (every curve of every seed, and the mean and standard
 deviation over seeds) and `<out>/learning.png`: held-out pass@1, the tool-error rate of positive
 trajectories (paper Fig. 4), tool calls per trajectory and response length, against the RL step;
 and every step's rollouts: reward and positive tool-error rate (for RoC, of all 2G sampled), and the
-update's sampler-trainer mismatch (`mismatch/kl_k3`, `drift/logprob_abs_mean`). Runs
+update's sampler-trainer mismatch (`mismatch/kl_k3`, `drift/logprob_abs_mean`) and, for
+asynchronous runs, the trained tokens' mean staleness. Held-out pass@1 is also drawn against the
+wall-clock seconds since RL started (evaluations included, as they are in every variant). Runs
 already finished in `--out` are read again, not repeated.
 """
 
@@ -49,12 +55,17 @@ VARIANTS = {
     "bf16": ["--config.rollout.backend=sglang", "--config.rollout.local_servers=1", "--config.weight_sync.dtype=bfloat16"],
     "bf16_tis": ["--config.rollout.backend=sglang", "--config.rollout.local_servers=1", "--config.weight_sync.dtype=bfloat16",
                  "--config.rl.rollout_is=token"],
+    "async1": ["--config.rl.max_staleness=1"],
+    "async2": ["--config.rl.max_staleness=2"],
+    "async1_servers": ["--config.rl.max_staleness=1", "--config.rollout.backend=sglang", "--config.rollout.local_servers=2",
+                       "--config.weight_sync.mode=pause"],
+    "sync_servers": ["--config.rollout.backend=sglang", "--config.rollout.local_servers=2", "--config.weight_sync.mode=pause"],
 }
 DEFAULT_VARIANTS = ("roc", "grpo", "no_tool")
 CURVES = ("eval/pass@1", "eval/tool_error_rate_positive", "eval/tool_calls_mean", "eval/response_length_mean")
 # Every step's rollouts (for RoC: all 2G sampled, before it keeps G): what the update learns from.
 ROLLOUT_CURVES = ("rollout/reward_mean", "rollout/tool_error_rate_positive", "mismatch/kl_k3",
-                  "drift/logprob_abs_mean")
+                  "drift/logprob_abs_mean", "async/staleness_mean")
 
 
 def launch(args: list[str], log: pathlib.Path) -> float:
@@ -76,6 +87,7 @@ def curves(run_dir: pathlib.Path) -> dict[str, list[float]]:
     evals = sorted((line for line in lines if "eval/pass@1" in line), key=lambda line: line["step"])
     steps = sorted((line for line in lines if "rollout/reward_mean" in line), key=lambda line: line["step"])
     return {"step": [line["step"] for line in evals], **{name: [line.get(name, float("nan")) for line in evals] for name in CURVES},
+            "wall_s": [line["time"] - evals[0]["time"] for line in evals],
             "rollout_step": [line["step"] for line in steps],
             **{name: [line.get(name, float("nan")) for line in steps] for name in ROLLOUT_CURVES}}
 
@@ -125,7 +137,7 @@ def main() -> None:
     summary = {}
     for variant, runs in results["runs"].items():
         summary[variant] = {"step": runs[0]["step"], "rollout_step": runs[0]["rollout_step"]}
-        for name in CURVES + ROLLOUT_CURVES:
+        for name in ("wall_s", *CURVES, *ROLLOUT_CURVES):
             values = np.asarray([r[name] for r in runs], np.float64)
             with warnings.catch_warnings():  # a step with no positive trajectory in any seed stays NaN
                 warnings.simplefilter("ignore", RuntimeWarning)
@@ -133,14 +145,16 @@ def main() -> None:
     results["summary"] = summary
     (out / "learning.json").write_text(json.dumps(_nan_to_none(results), indent=1))
     print(f"\n{'variant':8s} {'seeds':>5s} {'pass@1 step 0':>14s} {'pass@1 final':>16s} {'pos. tool err final':>20s}"
-          f" {'mismatch k3 (mean over steps)':>30s}")
+          f" {'mismatch k3 (mean over steps)':>30s} {'RL wall s':>10s} {'staleness':>9s}")
     for variant, s in summary.items():
         p, e = s["eval/pass@1"], s["eval/tool_error_rate_positive"]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
             k3 = float(np.nanmean(np.asarray(s["mismatch/kl_k3"]["mean"], np.float64)))
+            staleness = float(np.nanmean(np.asarray(s["async/staleness_mean"]["mean"], np.float64)))
         print(f"{variant:8s} {len(results['runs'][variant]):5d} {p['mean'][0]:8.3f}±{p['std'][0]:.3f} "
-              f"{p['mean'][-1]:10.3f}±{p['std'][-1]:.3f} {e['mean'][-1]:14.3f}±{e['std'][-1]:.3f} {k3:30.2e}")
+              f"{p['mean'][-1]:10.3f}±{p['std'][-1]:.3f} {e['mean'][-1]:14.3f}±{e['std'][-1]:.3f} {k3:30.2e} "
+              f"{s['wall_s']['mean'][-1]:10.0f} {staleness:9.2f}")
     plot(summary, out / "learning.png")
     print(f"\n{out / 'learning.json'}\n{out / 'learning.png'}")
 
@@ -164,9 +178,10 @@ def plot(summary: dict, path: pathlib.Path) -> None:
               "eval/tool_calls_mean": "held-out: tool calls per trajectory",
               "eval/response_length_mean": "held-out: response length (tokens)",
               "rollout/reward_mean": "rollouts: reward", "rollout/tool_error_rate_positive": "rollouts: tool-error rate, positive",
-              "mismatch/kl_k3": "update: KL(sampler || trainer), k3", "drift/logprob_abs_mean": "update: |log-prob drift|"}
-    columns = -(-len(CURVES + ROLLOUT_CURVES) // 2)
-    fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 7), sharex=True)
+              "mismatch/kl_k3": "update: KL(sampler || trainer), k3", "drift/logprob_abs_mean": "update: |log-prob drift|",
+              "async/staleness_mean": "update: mean staleness (versions)"}
+    columns = -(-(len(CURVES + ROLLOUT_CURVES) + 1) // 2)
+    fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 7))
     for ax, name in zip(axes.T.flat, CURVES + ROLLOUT_CURVES):
         for variant, s in summary.items():
             x = np.asarray(s["rollout_step" if name in ROLLOUT_CURVES else "step"])
@@ -175,6 +190,11 @@ def plot(summary: dict, path: pathlib.Path) -> None:
             ax.fill_between(x, mean - std, mean + std, alpha=0.2)
         ax.set_title(titles[name])
         ax.set_xlabel("RL step")
+    ax = axes.T.flat[len(CURVES + ROLLOUT_CURVES)]
+    for variant, s in summary.items():
+        ax.plot(s["wall_s"]["mean"], s["eval/pass@1"]["mean"], marker="o", label=variant)
+    ax.set_title("held-out pass@1 against wall-clock")
+    ax.set_xlabel("seconds since RL started (mean over seeds)")
     axes.flat[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
