@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import pathlib
 
-import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -161,9 +160,6 @@ def run_rl(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempla
     optimizer = make_optimizer(model, optimizer_config)
     begin = _restore(config, model, optimizer, tokenizer, train_files, metrics, checkpointer)
     if config.rl.max_staleness >= 1:
-        if jax.process_count() > 1:
-            raise ConfigError(f"config.rl.max_staleness={config.rl.max_staleness}: asynchronous RL runs in one "
-                              f"trainer process for now; this job has {jax.process_count()} (set it to 0)")
         # Read ahead by the producer; checkpoints record the first step not yet trained.
         begin = dataclasses.replace(begin, prompts=PromptLookahead(begin.prompts))
     start, prompts = begin.step, begin.prompts

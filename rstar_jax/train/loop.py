@@ -146,7 +146,11 @@ class RLLoop:
         The prompts come from a `PromptLookahead`, whose state is the data position of the first
         step not yet trained: a checkpoint taken after step s resumes with steps s + 1 .. s + K
         generated again, from the same prompts with the same group ids (so the same sampling seeds),
-        by the restored policy."""
+        by the restored policy.
+
+        Under several processes each generates its share of a step's groups with no collective;
+        the trainer's sequence alone (gather the step's shares, update, push, evaluate, save) holds
+        the collectives, in the same order on every process whatever the generation's timing."""
         k = self.max_staleness
         lookahead = self.prompts
         if not isinstance(lookahead, PromptLookahead):
@@ -164,7 +168,8 @@ class RLLoop:
                     await trained.wait_for(lambda: done["steps"] >= step - k)
                 waits["generator"] += time.perf_counter() - t0
                 prompts = [(ex.question, ex.answer) for ex in lookahead.pull()]
-                task = asyncio.ensure_future(self.trainer.generate(prompts, step=self.step_offset + step))
+                task = asyncio.ensure_future(self.trainer.generate(prompts, step=self.step_offset + step,
+                                                                   own_share=True))
                 task.add_done_callback(lambda t, s=step: _settle(generations[s], t))
 
         producer = asyncio.ensure_future(produce())
@@ -175,7 +180,8 @@ class RLLoop:
                 await asyncio.wait({waiter, producer}, return_when=asyncio.FIRST_COMPLETED)
                 if producer.done() and producer.exception() is not None:
                     raise producer.exception()
-                trajectories, rollout_s = await waiter
+                own, rollout_s = await waiter
+                trajectories = self.trainer.gather_shares(own)
                 trainer_wait = time.perf_counter() - t0
                 global_step = self.step_offset + step
                 version = self.trainer.weights_version  # the policy this step's update trains

@@ -85,10 +85,21 @@ class RLTrainer:
         contiguous share (group ids as one process would number them) and every process gets all
         trajectories, in group order. RoC, advantages and the batch are then the same on every
         process (and the same as one process's), and each process places its rows of it."""
+        return self.gather_shares(await self.rollout_own_share(prompts, first_group_id=first_group_id))
+
+    async def rollout_own_share(self, prompts: list[tuple[str, str]], *, first_group_id: int = 0) -> list[Trajectory]:
+        """This process's contiguous share of `rollout_shared`'s groups (all of them in one process)."""
         if jax.process_count() == 1:
             return await self.rollout(prompts, first_group_id=first_group_id)
         mine = multihost.share(len(prompts))
-        own = await self.rollout(prompts[mine], first_group_id=first_group_id + mine.start)
+        return await self.rollout(prompts[mine], first_group_id=first_group_id + mine.start)
+
+    @staticmethod
+    def gather_shares(own: list[Trajectory]) -> list[Trajectory]:
+        """Every process's share, on every process, in group order (a collective: all processes call
+        it at the same point of their run)."""
+        if jax.process_count() == 1:
+            return own
         # Token arrays, not JSON: several times fewer bytes through the collective (pack_trajectories).
         gathered = multihost.allgather_arrays(*pack_trajectories(own))
         return [t for arrays, meta in gathered for t in unpack_trajectories(arrays, meta)]
@@ -137,10 +148,16 @@ class RLTrainer:
                         "time/update_s": time.perf_counter() - t0})
         return metrics
 
-    async def generate(self, prompts: list[tuple[str, str]], *, step: int) -> tuple[list[Trajectory], float]:
-        """Step `step`'s trajectories (group ids from step x prompts) and the seconds they took."""
+    async def generate(self, prompts: list[tuple[str, str]], *, step: int,
+                       own_share: bool = False) -> tuple[list[Trajectory], float]:
+        """Step `step`'s trajectories (group ids from step x prompts) and the seconds they took;
+        `own_share`: this process's share only, for `gather_shares` later (no collective here)."""
         t0 = time.perf_counter()
-        trajectories = await self.rollout_shared(prompts, first_group_id=step * len(prompts))
+        first_group_id = step * len(prompts)
+        if own_share:
+            trajectories = await self.rollout_own_share(prompts, first_group_id=first_group_id)
+        else:
+            trajectories = await self.rollout_shared(prompts, first_group_id=first_group_id)
         return trajectories, time.perf_counter() - t0
 
     async def finish(self, trajectories: list[Trajectory], *, step: int, rollout_s: float,

@@ -65,7 +65,11 @@ class _ScriptedTrainer:
         self.trained_versions: dict[int, list[int]] = {}
         self.steps_done = 0
 
-    async def generate(self, prompts, *, step):
+    @staticmethod
+    def gather_shares(own):  # one process
+        return own
+
+    async def generate(self, prompts, *, step, own_share=False):
         self.events.append(("start", step, self.steps_done))
         trajectories = [_trajectory(step * len(prompts) + g, []) for g in range(len(prompts)) for _ in range(2)]
         for _ in range(4):  # tokens sampled in four bursts over the rollout's duration
