@@ -160,6 +160,7 @@ class RLLoop:
         generations: dict[int, asyncio.Future] = {s: asyncio.get_running_loop().create_future()
                                                   for s in range(start, self.steps)}
         waits = {"generator": 0.0}
+        rollouts = _Activity()
 
         async def produce() -> None:
             for step in range(start, self.steps):
@@ -168,11 +169,13 @@ class RLLoop:
                     await trained.wait_for(lambda: done["steps"] >= step - k)
                 waits["generator"] += time.perf_counter() - t0
                 prompts = [(ex.question, ex.answer) for ex in lookahead.pull()]
+                rollouts.begin()
                 task = asyncio.ensure_future(self.trainer.generate(prompts, step=self.step_offset + step,
                                                                    own_share=True))
-                task.add_done_callback(lambda t, s=step: _settle(generations[s], t))
+                task.add_done_callback(lambda t, s=step: (rollouts.end(), _settle(generations[s], t)))
 
         producer = asyncio.ensure_future(produce())
+        window_start, busy_before = time.perf_counter(), 0.0  # each step's window ends at its metrics
         try:
             for step in range(start, self.steps):
                 t0 = time.perf_counter()
@@ -189,10 +192,16 @@ class RLLoop:
                 t1 = time.perf_counter()
                 step_metrics = await self.trainer.finish(kept, step=global_step, rollout_s=rollout_s, in_thread=True)
                 step_metrics.update(staleness)
+                now, busy = time.perf_counter(), rollouts.total()
+                window = max(1e-9, now - window_start)
+                # Shares of the step's wall time: the trainer in its update and push; the generators
+                # with at least one of this process's rollouts in flight.
                 step_metrics.update({"async/trainer_wait_s": trainer_wait,
                                      "async/generator_wait_s": waits["generator"],
-                                     "async/trainer_busy": (time.perf_counter() - t1) /
-                                                           max(1e-9, time.perf_counter() - t0)})
+                                     "async/trainer_busy": (now - t1) / window,
+                                     "async/generator_busy": (busy - busy_before) / window,
+                                     "time/step_s": window})
+                window_start, busy_before = now, busy
                 waits["generator"] = 0.0
                 lookahead.trained()
                 async with trained:
@@ -206,6 +215,26 @@ class RLLoop:
                     future.cancel()
             # Rollouts of steps not trained end with the run; let their tasks see the cancellation.
             await asyncio.gather(producer, return_exceptions=True)
+
+
+class _Activity:
+    """Wall time with at least one task in flight, accumulated."""
+
+    def __init__(self):
+        self.inflight, self.since, self.busy = 0, 0.0, 0.0
+
+    def begin(self) -> None:
+        if self.inflight == 0:
+            self.since = time.perf_counter()
+        self.inflight += 1
+
+    def end(self) -> None:
+        self.inflight -= 1
+        if self.inflight == 0:
+            self.busy += time.perf_counter() - self.since
+
+    def total(self) -> float:
+        return self.busy + (time.perf_counter() - self.since if self.inflight else 0.0)
 
 
 def _settle(future: asyncio.Future, task: asyncio.Task) -> None:

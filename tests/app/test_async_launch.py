@@ -70,7 +70,7 @@ def _check_run(run: pathlib.Path, k: int, overlapped: int) -> list[dict]:
         assert max(lags) >= 1  # the next step was generated while this one trained
     for m in lines:
         assert m["async/staleness_max"] <= k
-        assert {"async/trainer_wait_s", "async/generator_wait_s", "async/trainer_busy"} <= m.keys()
+        assert {"async/trainer_wait_s", "async/generator_wait_s", "async/trainer_busy", "async/generator_busy"} <= m.keys()
         assert "mismatch/kl_k3" in m  # the off-policy correction is on by default (rl.rollout_is "token")
     # Nothing lost: each step's 4 groups of 8 are trained on or counted as dropped stale.
     per_step = collections.Counter(r["step"] for r in records)
