@@ -171,18 +171,18 @@ def test_two_process_asynchronous_run_bounds_staleness(tiny_run_dir, tmp_path):
     save) keeps the collectives in one order on both; the run completes, and every trained token is at
     most one version behind (read from the rollout records, written once per step)."""
     args = [f"--config.model.hf_path={tiny_run_dir / 'hf' / 'sft_warmup'}", "--config.sft.before_rl=False",
-            *TINY_TEST_TASK, "--config.train.steps=3", "--config.data.shuffle_seed=3", "--config.optim.warmup_steps=0",
+            *TINY_TEST_TASK, "--config.train.steps=2", "--config.data.shuffle_seed=3", "--config.optim.warmup_steps=0",
             "--config.rl.max_staleness=1", "--config.metrics.progress_bar=False"]
     run = tmp_path / "async"
     assert _wait(_launch(run, args, processes=2), 900) == [0, 0], (tmp_path / "async.0.log").read_text()[-3000:]
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in lines if "rollout/reward_mean" in r] == [1, 2, 3]
+    assert [r["step"] for r in lines if "rollout/reward_mean" in r] == [1, 2]
     lags = []
-    for step in (1, 2, 3):
+    for step in (1, 2):
         records = _records(run, step)
         dropped = next(r for r in lines if r["step"] == step)["async/stale_groups_dropped"]
         assert len(records) == 8 * (4 - dropped)
         lags += [r["trained_version"] - v for r in records for v, _ in r["policy_version_runs"] if v >= 0]
     assert 0 <= min(lags) and max(lags) <= 1
-    if any(r.get("update/skipped") == 0 for r in lines if r["step"] < 3):
+    if lines[0]["update/skipped"] == 0:  # step 2 was generated beside step 1, which then updated
         assert max(lags) == 1
