@@ -1160,6 +1160,10 @@ def simulate(policy: str, plans: Sequence[TrajectoryPlan], engines: Sequence[tup
 #   tensor 4 to fit an H100 at all. 0.35 is taken: our measured single-GPU figure, less a little.
 TRAIN_MFU = 0.35
 ROC_KEEP = 0.5  # trained rollouts per sampled rollout: G / 2G
+# The trainer recomputes pi_old before the update (rl.use_sampler_logprobs=False, the default, and
+# what the off-policy correction of asynchronous RL compares with the sampler's): one more forward,
+# a third of the forward and backward's FLOPs.
+OLD_LOGPROB_FORWARD = 1 / 3
 QWEN3_14B_TRAIN_ATTN_FLOPS_PER_POSITION = 6 * 40 * 40 * 128  # 6 x layers x query heads x head_dim
 # The weight push: Qwen3-14B's bf16 weights (29.6 GB) over PUSH_GBPS, the same for every generator
 # (NCCL broadcasts pipeline, so every receiver takes about bytes / bandwidth), plus a fixed pause and
@@ -1191,13 +1195,15 @@ class TrainerModel:
     attn_flops_per_position: float = QWEN3_14B_TRAIN_ATTN_FLOPS_PER_POSITION
     weight_bytes: float = QWEN3_14B_WEIGHT_BYTES
     keep: float = ROC_KEEP
+    old_logprob_forward: float = OLD_LOGPROB_FORWARD
 
     def update_flops(self, lengths: Sequence[int]) -> float:
         """Model FLOPs of one update over sampled sequences of `lengths` tokens (prompt + response),
-        `keep` of which are trained."""
+        `keep` of which are trained, with pi_old's forward recomputed."""
         tokens = sum(lengths)
         squares = sum(t * t for t in lengths)
-        return self.keep * (6 * self.params * tokens + self.attn_flops_per_position * squares)
+        return (1 + self.old_logprob_forward) * self.keep * (6 * self.params * tokens +
+                                                             self.attn_flops_per_position * squares)
 
     def update_seconds(self, lengths: Sequence[int], gpus: int) -> float:
         return self.update_flops(lengths) / (self.mfu * self.gpu.bf16_flops * gpus)
@@ -1670,7 +1676,8 @@ def run_training(args, plans, engines, profile, options) -> list[str]:
         f"seed {args.seed} + b), response budget {args.budget}, T = {args.max_turns}; generation: KvScheduler "
         f"(dynamic) over {profile.name} engines, {gpus} GPUs in all",
         f"update: Qwen3-14B, (6 x {trainer.params / 1e9:.1f}B x tokens + 6 x 40 x 40 x 128 x T^2 per sequence) x "
-        f"{trainer.keep:g} (RoC trains {trainer.keep:g} of each group) at MFU {trainer.mfu:.2f} of "
+        f"{trainer.keep:g} (RoC trains {trainer.keep:g} of each group) x {1 + trainer.old_logprob_forward:.3g} (pi_old "
+        f"recomputed) at MFU {trainer.mfu:.2f} of "
         f"{gpu.bf16_flops / 1e12:.0f} TFLOP/s per {gpu.name} GPU; batch 0 planned: {flops / 1e18:.2f} EFLOP, "
         f"{trainer.update_seconds(lengths, gpus):.1f} s on {gpus} GPUs",
         f"push: {trainer.weight_bytes / 1e9:.1f} GB of bf16 weights at {trainer.push_gbps:g} GB/s + "

