@@ -200,7 +200,7 @@ def get_config() -> ml_collections.ConfigDict:
     # trains, then pushes). K >= 1: the rollouts of step s start once step s - K - 1 is trained, so
     # generation of the next K steps overlaps the update and the long tail; weights are pushed while
     # rollouts run (the in-process engine swaps between two decode steps; servers need
-    # weight_sync.mode "pause" or "abort"); every trained token is at most K versions old; and the
+    # weight_sync.mode "pause" or "abort"); every trained token is at most K updates old; and the
     # rollout correction is on (rl.rollout_is defaults to "token" when not set).
     c.rl.max_staleness = 0
 

@@ -9,6 +9,7 @@ seeds and RoC draw derive from its number.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import dataclasses
 import pathlib
@@ -140,7 +141,7 @@ class RLLoop:
     async def _run_pipelined(self, start: int) -> None:
         """Asynchronous RL, K = max_staleness >= 1: a producer starts step s's rollouts as soon as step
         s - K - 1 is trained (admission control: a step's tokens are then sampled by a policy at most
-        K versions behind the one its update trains), while the trainer takes each step's groups in
+        K updates behind the one its update trains), while the trainer takes each step's groups in
         order as they complete, updates off the event loop and pushes the weights in flight.
 
         The prompts come from a `PromptLookahead`, whose state is the data position of the first
@@ -161,6 +162,9 @@ class RLLoop:
                                                   for s in range(start, self.steps)}
         waits = {"generator": 0.0}
         rollouts = _Activity()
+        # The versions the generators have held (a skipped step pushes none, and a version is the
+        # step of its update): staleness counts the updates between a token's version and the trained one.
+        held = [self.trainer.weights_version]
 
         async def produce() -> None:
             for step in range(start, self.steps):
@@ -188,9 +192,12 @@ class RLLoop:
                 trainer_wait = time.perf_counter() - t0
                 global_step = self.step_offset + step
                 version = self.trainer.weights_version  # the policy this step's update trains
-                kept, staleness = drop_stale_groups(trajectories, version, k)
+                kept, staleness = drop_stale_groups(trajectories, held, k)
                 t1 = time.perf_counter()
-                step_metrics = await self.trainer.finish(kept, step=global_step, rollout_s=rollout_s, in_thread=True)
+                step_metrics = await self.trainer.finish(trajectories, step=global_step, rollout_s=rollout_s,
+                                                         in_thread=True, train_on=kept)
+                if self.trainer.weights_version != held[-1]:
+                    held.append(self.trainer.weights_version)
                 step_metrics.update(staleness)
                 now, busy = time.perf_counter(), rollouts.total()
                 window = max(1e-9, now - window_start)
@@ -207,7 +214,7 @@ class RLLoop:
                 async with trained:
                     done["steps"] = step + 1
                     trained.notify_all()
-                await self._end_step(step, step_metrics, kept, version)
+                await self._end_step(step, step_metrics, kept, version)  # records: what was trained
         finally:
             producer.cancel()
             for future in generations.values():
@@ -248,17 +255,19 @@ def _settle(future: asyncio.Future, task: asyncio.Task) -> None:
         future.set_result(task.result())
 
 
-def drop_stale_groups(trajectories: list, version: int, max_staleness: int) -> tuple[list, dict]:
-    """The groups whose every sampled token is at most `max_staleness` versions behind `version`
-    (the policy the update trains), and the staleness metrics: mean and max over sampled tokens, the
-    share of tokens at each staleness, and the groups dropped as too stale."""
+def drop_stale_groups(trajectories: list, held: list[int], max_staleness: int) -> tuple[list, dict]:
+    """The groups whose every sampled token is at most `max_staleness` updates behind the policy
+    the update trains (the last of `held`, the versions the generators have held in order), and the
+    staleness metrics: mean and max over sampled tokens, the share of tokens at each staleness, and
+    the groups dropped as too stale. A token's staleness is the number of versions held after its own."""
     by_group: dict[int, list] = {}
     for t in trajectories:
         by_group.setdefault(t.group_id, []).append(t)
     kept, dropped = [], 0
     counts: dict[int, int] = {}
     for group in by_group.values():
-        lags = [version - v for t in group for v, m in zip(t.policy_versions, t.loss_mask) if m]
+        lags = [len(held) - bisect.bisect_right(held, v)
+                for t in group for v, m in zip(t.policy_versions, t.loss_mask) if m]
         if lags and max(lags) > max_staleness:
             dropped += 1
             continue

@@ -89,7 +89,7 @@ class RLSettings:
     seed: int  # the run's seed; RoC's draw at step s is seeded with (seed, s)
     chunk_size: int = 1024
     max_concurrency: int = 64
-    max_staleness: int = 0  # K: every trained token at most K policy versions old (0: synchronous RL)
+    max_staleness: int = 0  # K: every trained token at most K updates old (0: synchronous RL)
 
     def __post_init__(self):
         if self.rollouts_per_prompt < self.roc.group_size:

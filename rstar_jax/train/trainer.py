@@ -161,14 +161,18 @@ class RLTrainer:
         return trajectories, time.perf_counter() - t0
 
     async def finish(self, trajectories: list[Trajectory], *, step: int, rollout_s: float,
-                     in_thread: bool = False) -> dict:
-        """The update of step `step` on `trajectories`, the push of version step + 1 when it updated,
-        and the step's metrics. `in_thread`: the update runs off the event loop, so rollouts of
-        later steps go on meanwhile (asynchronous RL)."""
-        if in_thread:
-            metrics = await asyncio.to_thread(self.update, trajectories, step=step)
+                     in_thread: bool = False, train_on: list[Trajectory] | None = None) -> dict:
+        """The update of step `step` on `trajectories` (or on `train_on`, those of them that may be
+        trained), the push of version step + 1 when it updated, and the step's metrics (the
+        rollout's over all `trajectories`). `in_thread`: the update runs off the event loop, so
+        rollouts of later steps go on meanwhile (asynchronous RL)."""
+        train_on = trajectories if train_on is None else train_on
+        if not train_on:
+            metrics: dict[str, Any] = {"update/skipped": 1}
+        elif in_thread:
+            metrics = await asyncio.to_thread(self.update, train_on, step=step)
         else:
-            metrics = self.update(trajectories, step=step)
+            metrics = self.update(train_on, step=step)
         if not metrics["update/skipped"]:
             metrics["time/weight_sync_s"] = await self.sync_weights(step + 1)
             # Server syncs split it: the trainer's export, the transfer, forming the group.

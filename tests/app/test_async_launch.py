@@ -59,11 +59,14 @@ def _check_run(run: pathlib.Path, k: int, overlapped: int) -> list[dict]:
     records = list(iter_rollouts(run))
     lines = [m for m in read_metrics(run) if "rollout/reward_mean" in m]
     assert [m["step"] for m in lines] == [1, 2, 3]
+    # The versions the generators held: 0, then the step of each update (a skipped step pushes none).
+    held = [0] + [m["step"] for m in lines if m["update/skipped"] == 0]
     lags = collections.Counter()
     for r in records:
         for version, count in r["policy_version_runs"]:
             if version >= 0:  # -1: tool tokens
-                lags[r["trained_version"] - version] += count
+                assert version in held and r["trained_version"] in held
+                lags[held.index(r["trained_version"]) - held.index(version)] += count  # updates in between
         assert sum(n for v, n in r["policy_version_runs"] if v >= 0) == r["num_sampled_tokens"]
     assert lags and min(lags) >= 0 and max(lags) <= k
     if lines[overlapped - 1]["update/skipped"] == 0:

@@ -25,15 +25,19 @@ def test_stale_groups_are_dropped_whole_and_counted():
     trajectories = [_trajectory(0, [5, 5, -1, 4]), _trajectory(0, [5]),  # staleness 1 and 0 at version 5
                     _trajectory(1, [3, 5]), _trajectory(1, [5]),  # one token 2 behind: the group goes
                     _trajectory(2, [-1, -1])]  # no sampled tokens: no staleness to judge
-    kept, metrics = drop_stale_groups(trajectories, version=5, max_staleness=1)
+    kept, metrics = drop_stale_groups(trajectories, held=[3, 4, 5], max_staleness=1)
     assert [t.group_id for t in kept] == [0, 0, 2]
     assert metrics["async/stale_groups_dropped"] == 1
     assert metrics["async/staleness_max"] == 1
     assert metrics["async/staleness_mean"] == pytest.approx(1 / 4)
     assert metrics["async/staleness_0_share"] == pytest.approx(3 / 4)
     assert metrics["async/staleness_1_share"] == pytest.approx(1 / 4)
-    kept, metrics = drop_stale_groups(trajectories, version=5, max_staleness=2)
+    kept, metrics = drop_stale_groups(trajectories, held=[3, 4, 5], max_staleness=2)
     assert len(kept) == 5 and metrics["async/stale_groups_dropped"] == 0 and metrics["async/staleness_max"] == 2
+    # A version is the step of its update, so a skipped step (4: no update, no push) leaves a gap:
+    # staleness counts the updates in between, not the version numbers.
+    kept, metrics = drop_stale_groups(trajectories, held=[3, 5], max_staleness=1)
+    assert len(kept) == 5 and metrics["async/staleness_max"] == 1
 
 
 class _Batches:
@@ -58,8 +62,8 @@ class _ScriptedTrainer:
     """Rollouts sample tokens over simulated time, each labelled with the version the generators hold
     at that moment (what the engine's in-place swap records); an update takes time, then pushes."""
 
-    def __init__(self, rollout_s, update_s, fail_at=None):
-        self.rollout_s, self.update_s, self.fail_at = rollout_s, update_s, fail_at
+    def __init__(self, rollout_s, update_s, fail_at=None, skip=()):
+        self.rollout_s, self.update_s, self.fail_at, self.skip = rollout_s, update_s, fail_at, set(skip)
         self.weights_version = 0
         self.events: list[tuple] = []
         self.trained_versions: dict[int, list[int]] = {}
@@ -83,12 +87,16 @@ class _ScriptedTrainer:
                 t.sampler_logprobs.append(0.0)
         return trajectories, self.rollout_s(step)
 
-    async def finish(self, trajectories, *, step, rollout_s, in_thread=False):
+    async def finish(self, trajectories, *, step, rollout_s, in_thread=False, train_on=None):
+        train_on = trajectories if train_on is None else train_on
         self.events.append(("train", step, self.weights_version))
-        self.trained_versions[step] = sorted({v for t in trajectories for v in t.policy_versions})
+        self.trained_versions[step] = sorted({v for t in train_on for v in t.policy_versions})
+        self.dropped = getattr(self, "dropped", 0) + len(trajectories) - len(train_on)
         await asyncio.sleep(self.update_s)
-        self.weights_version = step + 1  # the push
         self.steps_done += 1
+        if step in self.skip:  # every group all-correct or all-wrong: no update, no push
+            return {"rollout/reward_mean": 1.0, "update/skipped": 1}
+        self.weights_version = step + 1  # the push: the version is the step of the update
         return {"rollout/reward_mean": 1.0, "update/skipped": 0}
 
 
@@ -144,6 +152,18 @@ def test_pipeline_admits_k_steps_ahead_and_no_token_is_more_than_k_behind(k):
     assert sum(v["async/generator_busy"] for v in lines[1:]) / 5 > 0.25
     # The checkpoint after step s resumes from step s + 1's prompts, whatever was read ahead.
     assert saved == [(s, s) for s in range(1, 7)]
+
+
+def test_skipped_steps_do_not_make_tokens_stale():
+    """Versions are step numbers, so after a skipped step the next push jumps by two: staleness counts
+    updates, and nothing generated within the bound is dropped."""
+    trainer = _ScriptedTrainer(rollout_s=lambda s: 0.2 if s == 0 else 0.04, update_s=0.06, skip={1, 3})
+    metrics, _ = _run(trainer, 1)
+    lines = [values for _, values in metrics.lines]
+    assert trainer.dropped == 0 and all(v["async/stale_groups_dropped"] == 0 for v in lines)
+    assert all(v["async/staleness_max"] <= 1 for v in lines)
+    trains = [(step, version) for kind, step, version in trainer.events if kind == "train"]
+    assert any(version - min(trainer.trained_versions[step]) == 2 for step, version in trains)  # a version gap
 
 
 def test_k0_is_sequential():
