@@ -179,7 +179,7 @@ def plot(summary: dict, path: pathlib.Path) -> None:
               "eval/response_length_mean": "held-out: response length (tokens)",
               "rollout/reward_mean": "rollouts: reward", "rollout/tool_error_rate_positive": "rollouts: tool-error rate, positive",
               "mismatch/kl_k3": "update: KL(sampler || trainer), k3", "drift/logprob_abs_mean": "update: |log-prob drift|",
-              "async/staleness_mean": "update: mean staleness (versions)"}
+              "async/staleness_mean": "update: mean staleness (updates behind)"}
     columns = -(-(len(CURVES + ROLLOUT_CURVES) + 1) // 2)
     fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 7))
     for ax, name in zip(axes.T.flat, CURVES + ROLLOUT_CURVES):
