@@ -1077,6 +1077,26 @@ class PolicyResult:
     wall_s: float
 
 
+
+def _background(gens, scheduler, samples: list, sample_interval: float, reconcile_interval: float) -> list:
+    """The tasks beside a simulated rollout: the queue length sampled every `sample_interval`, and
+    the scheduler's `reconcile()` every `reconcile_interval` (0: never)."""
+
+    async def sample():
+        while True:
+            samples.append(sum(g.queued for g in gens) + getattr(scheduler, "queued", 0))
+            await asyncio.sleep(sample_interval)
+
+    async def reconcile():
+        while True:
+            await asyncio.sleep(reconcile_interval)
+            await scheduler.reconcile()
+
+    tasks = [asyncio.ensure_future(sample())]
+    if reconcile_interval > 0:
+        tasks.append(asyncio.ensure_future(reconcile()))
+    return tasks
+
 def simulate(policy: str, plans: Sequence[TrajectoryPlan], engines: Sequence[tuple[int, int]], profile: Profile, *,
              budget: int, context_length: int | None = None, exact_max_new: bool = False,
              budget_fraction: float = 1.0, reservation: str = "expected",
@@ -1097,19 +1117,8 @@ def simulate(policy: str, plans: Sequence[TrajectoryPlan], engines: Sequence[tup
                      else make_scheduler(gens, budget_fraction, reservation) if policy == "dynamic" else None)
         tally, samples = _Tally(), []
 
-        async def sample():
-            while True:
-                samples.append(sum(g.queued for g in gens) + getattr(scheduler, "queued", 0))
-                await asyncio.sleep(sample_interval)
-
-        async def reconcile():
-            while True:
-                await asyncio.sleep(reconcile_interval)
-                await scheduler.reconcile()
-
-        helpers = [asyncio.ensure_future(sample())]
-        if policy == "dynamic" and reconcile_interval > 0:
-            helpers.append(asyncio.ensure_future(reconcile()))
+        helpers = _background(gens, scheduler, samples, sample_interval,
+                              reconcile_interval if policy == "dynamic" else 0)
         if policy == "static-sync":
             await asyncio.gather(*(run_turn_synchronous(g, plans[i::len(gens)], budget=budget,
                                                         exact_max_new=exact_max_new, tally=tally)
@@ -1357,16 +1366,6 @@ def simulate_training(policy: str, workload: Callable[[int], Sequence[Trajectory
                 state["started"] += len(plans)
                 tasks.extend(asyncio.ensure_future(trajectory(p, record)) for p in plans)
 
-        async def sample():
-            while True:
-                samples.append(sum(g.queued for g in gens) + getattr(scheduler, "queued", 0))
-                await asyncio.sleep(sample_interval)
-
-        async def reconcile():
-            while True:
-                await asyncio.sleep(reconcile_interval)
-                await scheduler.reconcile()
-
         step_ends, update_starts, update_s = [], [], []
         staleness: collections.Counter = collections.Counter()
         counts = dict(trained=0, dropped=0)
@@ -1412,9 +1411,7 @@ def simulate_training(policy: str, workload: Callable[[int], Sequence[Trajectory
                 if s + 1 < steps:
                     admit()
 
-        helpers = [asyncio.ensure_future(sample())]
-        if reconcile_interval > 0:
-            helpers.append(asyncio.ensure_future(reconcile()))
+        helpers = _background(gens, scheduler, samples, sample_interval, reconcile_interval)
         admit()
         await train()
         end = loop.time()
