@@ -164,6 +164,9 @@ def run_rl(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempla
         begin = dataclasses.replace(begin, prompts=PromptLookahead(begin.prompts))
     start, prompts = begin.step, begin.prompts
     settings = resolve.rl_settings(config, builders.data_parallel(mesh))
+    if settings.max_staleness >= 1:
+        print(f"[rl] asynchronous: rollouts run up to {settings.max_staleness} step(s) ahead of the update "
+              f"(rl.max_staleness); rollout correction rl.rollout_is={settings.loss.rollout_is}", flush=True)
     evaluation = HeldOutEvaluation.from_config(config, tokenizer, template) if config.train.eval_every else None
     schedule = lr_schedule(optimizer_config)
 

@@ -91,6 +91,8 @@ def test_disaggregated_k1_pushes_in_flight_and_interrupted_trajectories_continue
     result = _run(run, warm_policy, "--config.rl.max_staleness=1", "--config.rollout.backend=sglang",
                   "--config.rollout.local_servers=2", "--config.weight_sync.mode=pause")
     assert "(float32, mode pause) to 2 server(s)" in result.stdout
+    assert "[rl] asynchronous: rollouts run up to 1 step(s) ahead of the update (rl.max_staleness); " \
+           "rollout correction rl.rollout_is=token" in result.stdout
     records = _check_run(run, 1, overlapped=1)
     interrupted = [r for r in records if len({v for v, _ in r["policy_version_runs"] if v >= 0}) > 1]
     assert all(r["n_abort_resumes"] > 0 for r in interrupted)
