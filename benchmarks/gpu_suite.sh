@@ -13,6 +13,9 @@
 #                                            # a trace with `cat profile_decode.tgz.* | tar xz`
 #   bash benchmarks/gpu_suite.sh --sweep     # instead: train-step variants (remat, micro-batches, chunk,
 #                                            # parameter dtype, attention), ours only, one line each
+#   bash benchmarks/gpu_suite.sh --async     # instead: asynchronous RL's wall-clock beside the synchronous
+#                                            # loop's on the device (benchmarks/async_wallclock.py: the tiny
+#                                            # recipe, in-process engine, then one serve process beside it)
 #   bash benchmarks/gpu_suite.sh --smoke     # CPU-sized shapes, to check the suite itself anywhere
 #
 # Each part has its own time limit inside an overall deadline (GPU_SUITE_SECONDS, default 570 s),
@@ -39,13 +42,14 @@ if [[ "${1:-}" == "--prepare" ]]; then
     exit 0
 fi
 
-SMOKE=0 PROFILE=0 SWEEP=0
+SMOKE=0 PROFILE=0 SWEEP=0 ASYNC=0
 for arg in "$@"; do
     case "$arg" in
         --smoke) SMOKE=1 ;;
         --profile) PROFILE=1 ;;
         --sweep) SWEEP=1 ;;
-        *) echo "gpu_suite.sh: unknown argument $arg (--prepare, --smoke, --profile, --sweep)" >&2; exit 2 ;;
+        --async) ASYNC=1 ;;
+        *) echo "gpu_suite.sh: unknown argument $arg (--prepare, --smoke, --profile, --sweep, --async)" >&2; exit 2 ;;
     esac
 done
 
@@ -90,6 +94,17 @@ else
     HEAD=()
 fi
 (( PROFILE )) && TRAIN+=(--profile /tmp/gpu_suite_profile_train) && DECODE+=(--profile /tmp/gpu_suite_profile_decode)
+
+if (( ASYNC )); then
+    part environment 30 bash -c "nvidia-smi -L 2>/dev/null || echo 'no nvidia-smi'"
+    ASYNC_STEPS=$(( SMOKE ? 2 : 6 ))
+    part "async colocated" 300 "$PY" benchmarks/async_wallclock.py --steps "$ASYNC_STEPS" --out /tmp/gpu_suite_async
+    part "async servers" 240 "$PY" benchmarks/async_wallclock.py --steps "$ASYNC_STEPS" --servers 1 --out /tmp/gpu_suite_async
+    cp /tmp/gpu_suite_async/async_wallclock*.json "$OUT/" 2>/dev/null
+    echo; grep -E "^(=== async|K=|async_vs_sync_wall)" "$OUT/gpu_suite.log"
+    if (( ${#FAILED[@]} )); then echo "gpu_suite: FAILED parts: ${FAILED[*]}"; exit 1; fi
+    exit 0
+fi
 
 if (( SWEEP )); then
     part environment 30 bash -c "nvidia-smi -L 2>/dev/null || echo 'no nvidia-smi'"
