@@ -22,27 +22,15 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
-import time
 
 import numpy as np
+
+from learning import launch  # the launcher on one device, as users run it (benchmarks/learning.py)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TASK = ["--config.data.synthetic.kinds=('last_digit_power',)", "--config.train.eval_every=0",
         "--config.metrics.progress_bar=false"]
 WARM_UP = ["--config.data.synthetic.sft_stages=((480,(0.0,1.0,0.0)),(160,(0.25,0.5,0.25)))"]
-
-
-def launch(args: list[str], log: pathlib.Path) -> float:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, as users run it
-    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.3")
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        done = subprocess.run([sys.executable, "-m", "rstar_jax.launch", *args], cwd=REPO, env=env, stdout=f,
-                              stderr=subprocess.STDOUT)
-    if done.returncode:
-        raise SystemExit(f"launcher failed ({done.returncode}), see {log}")
-    return time.perf_counter() - t0
 
 
 def summary(run_dir: pathlib.Path) -> dict:
@@ -70,6 +58,7 @@ def main() -> None:
     parser.add_argument("--servers", type=int, default=0, help="rstar_jax.serve processes (0: the in-process engine)")
     parser.add_argument("--out", default=str(REPO / "runs" / "async_wallclock"))
     args = parser.parse_args()
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.3")  # the trainer and its servers share a GPU
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     warm = out / "warm"
