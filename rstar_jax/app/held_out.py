@@ -155,6 +155,8 @@ def eval_metrics(section: Mapping) -> dict[str, float]:
                "eval/tool_calls_mean": section["tool_calls_per_response"],
                "eval/tool_error_rate": section["tool_error_rate"],
                "eval/tool_error_rate_positive": section["tool_error_rate_positive"],
+               "eval/tool_error_rate_negative": section["tool_error_rate_negative"],
+               "eval/positive_with_tool_error": section["positive_with_tool_error"],
                "eval/response_length_mean": section["mean_response_length"],
                "eval/truncation_rate": section["truncation_rate"]}
     return {name: value for name, value in figures.items() if value is not None}

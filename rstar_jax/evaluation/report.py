@@ -39,6 +39,8 @@ def _section(groups: Mapping[str, Sequence[dict]], k: int) -> dict:
         # None (null in report.json) where no response called the tool, or none was correct.
         "tool_error_rate": stats.get("tool_error_rate"),
         "tool_error_rate_positive": stats.get("tool_error_rate_positive"),
+        "tool_error_rate_negative": stats.get("tool_error_rate_negative"),
+        "positive_with_tool_error": stats.get("positive_with_tool_error"),
         "truncation_rate": stats["truncation_ratio"],
         "mean_turns": stats["turns_mean"],
     }

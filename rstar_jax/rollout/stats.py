@@ -42,6 +42,9 @@ def _summary(c: dict[str, np.ndarray]) -> dict[str, float]:
         "tool_error_rate": _ratio(errors.sum(), calls.sum()),
         "tool_error_rate_positive": _ratio(errors[positive].sum(), calls[positive].sum()),
         "tool_error_rate_negative": _ratio(errors[negative].sum(), calls[negative].sum()),
+        # Correct trajectories that contain a failed call (reached the answer despite it): what RoC
+        # filters, counted per trajectory where the rates above count per call.
+        "positive_with_tool_error": _ratio((errors[positive] > 0).sum(), positive.sum()),
         "format_violation_rate": float((c["n_answer_tags"] != 1).mean()),
         "turns_mean": float(c["n_turns"].mean()),
         "response_length_mean": float(lengths.mean()),  # model + tool tokens

@@ -123,6 +123,7 @@ def test_rollout_stats_by_hand():
     assert s["tool_error_rate"] == pytest.approx(5 / 9)
     assert s["tool_error_rate_positive"] == pytest.approx(1 / 3)
     assert s["tool_error_rate_negative"] == pytest.approx(4 / 6)
+    assert s["positive_with_tool_error"] == pytest.approx(1 / 3)  # per trajectory: one of three correct
     assert s["format_violation_rate"] == pytest.approx(2 / 5)  # answers 0 and 2
     assert s["response_length_mean"] == pytest.approx(80 / 5) and s["response_length_max"] == 30
     assert s["truncation_ratio"] == pytest.approx(1 / 5)
