@@ -55,6 +55,8 @@ def trajectory_record(traj: Trajectory, decode, **extra: Any) -> dict:
         # The whole response as the policy saw it, tool observations included.
         "response_text": decode(traj.response_ids),
     }
+    if "roc_kept" in traj.extra:  # a training rollout: whether RoC kept it for the update
+        record["roc_kept"] = bool(traj.extra["roc_kept"])
     return record
 
 

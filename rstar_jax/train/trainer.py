@@ -119,6 +119,9 @@ class RLTrainer:
         s = self.settings
         t0 = time.perf_counter()
         prepared = self.prepare(trajectories, step=step)
+        kept = set(prepared.roc.kept_indices.tolist())
+        for i, trajectory in enumerate(trajectories):  # stored with the rollout records
+            trajectory.extra["roc_kept"] = i in kept
         metrics: dict[str, Any] = dict(prepared.roc.stats())
         if prepared.skipped:
             metrics["update/skipped"] = 1

@@ -62,6 +62,43 @@ def test_default_run_warms_up_with_sft_then_trains_with_grpo_roc(tiny_run):
     assert f"eval/pass@1 {evaluations[0]['eval/pass@1']:.3f} (step 0) -> {evaluations[3]['eval/pass@1']:.3f}" in last
 
 
+def test_rollout_records_say_what_roc_kept(tiny_run_dir):
+    """Each stored training trajectory says whether RoC kept it for the update (`roc_kept`), and the
+    records alone reproduce RoC's choice: recomputed from their rewards, groups and tool-call counts
+    with the run's RoC settings and its per-step draw, the kept sets are the stored ones. Where RoC
+    kept fewer positives than it was given, no erroneous positive (a failed call) was kept over a
+    clean one (paper variant, epsilon 1e-3: weight 1000 against at most about 2)."""
+    import ml_collections
+    import numpy as np
+
+    from rstar_jax.config import resolve
+    from rstar_jax.rl.roc import paper_penalty, resample_on_correct
+    from rstar_jax.rollout.records import iter_rollouts
+    from rstar_jax.train.checkpoint import stored_config
+
+    config = ml_collections.ConfigDict(stored_config(tiny_run_dir))
+    roc = resolve.roc_config(config)
+    records = list(iter_rollouts(tiny_run_dir))
+    assert records and all("roc_kept" in r for r in records)
+    kept_positives = given_positives = 0
+    for step in sorted({r["step"] for r in records}):
+        rows = [r for r in records if r["step"] == step]
+        column = lambda key: [r[key] for r in rows]  # noqa: E731
+        again = resample_on_correct(column("reward"), column("group_id"),
+                                    paper_penalty(column("n_tool_calls"), column("n_tool_errors"),
+                                                  column("n_answer_tags"), column("n_turns")), roc,
+                                    seed=int(np.random.SeedSequence([config.seed, step - 1]).generate_state(1)[0]))
+        assert sorted(again.kept_indices.tolist()) == [i for i, r in enumerate(rows) if r["roc_kept"]], step
+        for group in {r["group_id"] for r in rows}:
+            positives = [r for r in rows if r["group_id"] == group and r["reward"] > 0]
+            kept = [r for r in positives if r["roc_kept"]]
+            if any(r["roc_kept"] for r in rows if r["group_id"] == group):
+                given_positives, kept_positives = given_positives + len(positives), kept_positives + len(kept)
+            if any(r["n_tool_errors"] for r in kept):
+                assert all(r["roc_kept"] for r in positives if not r["n_tool_errors"]), (step, group)
+    assert 0 < kept_positives < given_positives  # the run made RoC choose among positives
+
+
 def test_invalid_override_is_rejected_before_work(tmp_path):
     """Every mistake at once, one line each naming the field, exit 2, no traceback (more in test_cli.py)."""
     result = _launch("--config.mesh.tensor=0", "--config.model.preset=qwen3-99b", "--config.no_such_field=1",
