@@ -213,6 +213,72 @@ def _join(pieces) -> dict[str, np.ndarray]:
 
 # -- rollouts and tool use ------------------------------------------------------------------------
 
+_SEEDED_RUN = re.compile(r"(?P<variant>.+)_seed(?P<seed>\d+)")
+
+
+@dataclasses.dataclass
+class Comparison:
+    """Variants of a recipe run over seeds (`benchmarks/learning.py`, `benchmarks/roc_effect.py`):
+    per variant, the seeds and each metric as a [seeds, evaluations] array (NaN where a run has no
+    value), the evaluations at `steps` (the first run's; the others must match)."""
+
+    steps: np.ndarray
+    seeds: dict[str, list[int]]
+    values: dict[str, dict[str, np.ndarray]]
+
+    def mean(self, variant: str, name: str) -> np.ndarray:
+        with warnings.catch_warnings():  # an evaluation without a value in any seed stays NaN
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return np.nanmean(self.values[variant][name], axis=0)
+
+    def std(self, variant: str, name: str) -> np.ndarray:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return np.nanstd(self.values[variant][name], axis=0)
+
+    def paired_difference(self, a: str, b: str, name: str) -> tuple[np.ndarray, np.ndarray]:
+        """Per evaluation, the mean over seeds of b − a (the seeds both ran: a seed's variants share
+        its warm-up, so they pair) and that mean in its standard errors (NaN below two seeds)."""
+        shared = sorted(set(self.seeds[a]) & set(self.seeds[b]))
+        rows_a = self.values[a][name][[self.seeds[a].index(s) for s in shared]]
+        rows_b = self.values[b][name][[self.seeds[b].index(s) for s in shared]]
+        d = rows_b - rows_a
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            n = np.sum(~np.isnan(d), axis=0)
+            mean = np.nanmean(d, axis=0)
+            se = np.nanstd(d, axis=0, ddof=1) / np.sqrt(n)
+            return mean, np.where(n >= 2, mean / se, np.nan)
+
+
+def load_comparison(out_dir: str | pathlib.Path, names: Sequence[str] = ("eval/pass@1", "eval/tool_error_rate_positive")
+                    ) -> Comparison:
+    """Every `<variant>_seed<N>` run directory under `out_dir` (a benchmark's `--out`), with the
+    held-out evaluations' `names` against the RL step. Runs with no evaluation are refused (a run
+    still going or one that failed), naming the directory."""
+    out_dir = locate(out_dir)
+    found = sorted((m["variant"], int(m["seed"]), path) for path in out_dir.iterdir()
+                   if path.is_dir() and (m := _SEEDED_RUN.fullmatch(path.name)) and m["variant"] != "sft")
+    if not found:
+        raise FileNotFoundError(f"{out_dir} holds no <variant>_seed<N> run directories")
+    steps = None
+    seeds: dict[str, list[int]] = {}
+    rows: dict[str, dict[str, list[np.ndarray]]] = {}
+    for variant, seed, path in found:
+        evaluations = load_run(path).eval
+        if not frame_length(evaluations):
+            raise ValueError(f"{path}: no held-out evaluation in its metrics.jsonl (unfinished or failed?)")
+        if steps is None:
+            steps = evaluations[STEP]
+        elif not np.array_equal(evaluations[STEP], steps):
+            raise ValueError(f"{path}: evaluated at steps {evaluations[STEP].tolist()}, the others at {steps.tolist()}")
+        seeds.setdefault(variant, []).append(seed)
+        for name in names:
+            rows.setdefault(variant, {}).setdefault(name, []).append(column(evaluations, name))
+    return Comparison(steps=steps, seeds=seeds,
+                      values={v: {n: np.stack(r) for n, r in by_name.items()} for v, by_name in rows.items()})
+
+
 def load_rollouts(run_dir: str | pathlib.Path, steps: Iterable[int] | None = None) -> list[dict]:
     """The stored trajectories of an RL run (optionally of some steps only), in step order."""
     files = rollout_files(run_dir)

@@ -283,3 +283,32 @@ def test_locate_finds_a_relative_run_dir_from_a_folder_below_the_repository(tmp_
     assert runs.locate("runs/tiny") == tmp_path / "runs" / "tiny"
     assert runs.locate("runs/other") == pathlib.Path("runs/other")  # not found anywhere: as given
     assert runs.locate(tmp_path / "runs" / "tiny") == tmp_path / "runs" / "tiny"
+
+
+def test_load_comparison_pairs_variants_by_seed(tmp_path):
+    """A benchmark's --out folder: <variant>_seed<N> runs (and the sft_seed<N> warm-ups, skipped)."""
+    def run(name, values):  # values: per evaluation step (0, 10), (pass@1, positive tool-error rate)
+        (tmp_path / name).mkdir()
+        lines = [{"step": step, "eval/pass@1": p, **({} if e is None else {"eval/tool_error_rate_positive": e})}
+                 for step, (p, e) in zip((0, 10), values)]
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    (tmp_path / "sft_seed0").mkdir()
+    run("roc_seed0", [(0.2, 0.5), (0.9, 0.1)])
+    run("roc_seed1", [(0.3, 0.5), (0.8, 0.0)])
+    run("grpo_seed0", [(0.2, 0.5), (0.9, 0.3)])
+    run("grpo_seed1", [(0.3, 0.5), (0.7, 0.4)])
+    run("grpo_seed2", [(0.1, None), (0.5, 0.9)])  # no RoC run of seed 2 to pair it with
+    c = runs.load_comparison(tmp_path)
+    assert c.steps.tolist() == [0, 10] and c.seeds == {"grpo": [0, 1, 2], "roc": [0, 1]}
+    np.testing.assert_allclose(c.mean("roc", "eval/pass@1"), [0.25, 0.85])
+    np.testing.assert_allclose(c.std("grpo", "eval/tool_error_rate_positive"), [0.0, np.std([0.3, 0.4, 0.9])])
+    diff, in_se = c.paired_difference("roc", "grpo", "eval/tool_error_rate_positive")
+    # Seeds 0 and 1: differences (0, 0) at step 0, (0.2, 0.4) at step 10; sd 0.1414, se 0.1.
+    np.testing.assert_allclose(diff, [0.0, 0.3])
+    assert math.isnan(in_se[0]) and in_se[1] == pytest.approx(3.0)
+    run("grpo_seed3", [(0.1, 0.2)])
+    with pytest.raises(ValueError, match="grpo_seed3: evaluated at steps \\[0\\]"):
+        runs.load_comparison(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no <variant>_seed<N> run directories"):
+        runs.load_comparison(tmp_path / "sft_seed0")

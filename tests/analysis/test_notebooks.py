@@ -127,6 +127,17 @@ def test_tool_use(tiny_run_dir):
     assert f"agree with metrics.jsonl on {rl_steps(tiny_run_dir)} steps" in text(nb)
 
 
+def test_tool_use_compares_a_benchmarks_variants_over_seeds(tiny_run_dir, tmp_path):
+    """COMPARISON_DIR: a benchmark's --out (benchmarks/roc_effect.py), its <variant>_seed<N> runs
+    (here the tiny run's metrics under four names) drawn side by side, GRPO - RoC printed."""
+    for name in ("roc_seed0", "roc_seed1", "grpo_seed0", "grpo_seed1"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text((tiny_run_dir / "metrics.jsonl").read_text())
+    nb = execute("tool_use", RUN_DIR=str(tiny_run_dir), COMPARISON_DIR=str(tmp_path))
+    assert len(outputs(nb, "image/png")) == 4
+    assert "GRPO - RoC, positive tool-error rate: step 0: " in text(nb)
+
+
 @pytest.fixture()
 def failed_tools_run(tiny_run_dir, tmp_path):
     """The tiny run's metrics and rollouts with every tool call turned into a failure (the metrics'
