@@ -10,6 +10,7 @@ through `python -m rstar_jax.launch` as a user runs it, evaluating the held-out 
 questions, same samples drawn per question) at step 0, every `--eval-every` steps and at the end:
 
 - `roc`: GRPO-RoC as configured (2G rollouts per prompt, RoC keeps G);
+- `roc_release`: the same with the release's RoC variant (`rl.roc_variant=release`);
 - `grpo`: GRPO with the tool and no resampling (G rollouts per prompt, all kept);
 - `no_tool`: the tool left out of the prompt and never executed (`rollout.tools=False`);
 - `roc_tis`: GRPO-RoC with rollout correction, token-level truncated importance sampling
@@ -43,12 +44,14 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 VARIANTS = {
     "roc": [],
+    "roc_release": ["--config.rl.roc_variant=release"],
     "grpo": ["--config.rollout.rollouts_per_prompt={group}"],
     "no_tool": ["--config.rollout.tools=False"],
     "roc_tis": ["--config.rl.rollout_is=token"],
@@ -62,7 +65,8 @@ VARIANTS = {
     "sync_servers": ["--config.rollout.backend=sglang", "--config.rollout.local_servers=2", "--config.weight_sync.mode=pause"],
 }
 DEFAULT_VARIANTS = ("roc", "grpo", "no_tool")
-CURVES = ("eval/pass@1", "eval/tool_error_rate_positive", "eval/tool_calls_mean", "eval/response_length_mean")
+CURVES = ("eval/pass@1", "eval/tool_error_rate_positive", "eval/positive_with_tool_error", "eval/tool_error_rate_negative",
+          "eval/tool_calls_mean", "eval/response_length_mean")
 # Every step's rollouts (for RoC: all 2G sampled, before it keeps G): what the update learns from.
 ROLLOUT_CURVES = ("rollout/reward_mean", "rollout/tool_error_rate_positive", "mismatch/kl_k3",
                   "drift/logprob_abs_mean", "async/staleness_mean")
@@ -92,34 +96,30 @@ def curves(run_dir: pathlib.Path) -> dict[str, list[float]]:
             **{name: [line.get(name, float("nan")) for line in steps] for name in ROLLOUT_CURVES}}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", default=str(REPO / "configs" / "tiny.py"))
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=0, help="RL steps (0: the config's train.steps)")
-    parser.add_argument("--eval-every", type=int, default=0, help="0: the config's train.eval_every")
-    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"of {', '.join(VARIANTS)}")
-    parser.add_argument("--out", default=str(REPO / "runs" / "learning"))
-    args = parser.parse_args()
-    out = pathlib.Path(args.out)
+def run(config_path: str, *, seeds: Sequence[int], variants: Sequence[str], out: pathlib.Path, steps: int = 0,
+        eval_every: int = 0, common: Sequence[str] = ()) -> dict:
+    """Every seed's SFT warm-up, then every variant from it; returns every run's curves and, per
+    variant, their mean and standard deviation over seeds (`summary`). `common`: overrides every
+    launch (SFT and RL) takes."""
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO))
     from rstar_jax.config import load_config_file
 
-    config = load_config_file(args.config)
-    steps = args.steps or config.train.steps
-    eval_every = args.eval_every or config.train.eval_every or steps
-    common = [f"--config={args.config}", "--config.metrics.progress_bar=false"]
-    shown = os.path.relpath(args.config, REPO) if pathlib.Path(args.config).resolve().is_relative_to(REPO) else args.config
-    results: dict = {"config": shown, "steps": steps, "eval_every": eval_every, "runs": {}}
-    for seed in range(args.seeds):
+    config = load_config_file(config_path)
+    steps = steps or config.train.steps
+    eval_every = eval_every or config.train.eval_every or steps
+    common = [f"--config={config_path}", "--config.metrics.progress_bar=false", *common]
+    shown = os.path.relpath(config_path, REPO) if pathlib.Path(config_path).resolve().is_relative_to(REPO) else config_path
+    results: dict = {"config": shown, "overrides": common[2:], "steps": steps, "eval_every": eval_every, "runs": {}}
+    for seed in seeds:
         warm_dir = out / f"sft_seed{seed}"
         if not (warm_dir / "hf" / "final" / "config.json").exists():
             seconds = launch([*common, "--config.mode=sft", f"--config.seed={seed}", f"--config.run_dir={warm_dir}",
                               "--config.checkpoint.export_hf_every=0",
                               f"--config.checkpoint.every_steps={10 ** 6}"], out / f"sft_seed{seed}.log")
+            results.setdefault("sft_seconds", {})[str(seed)] = seconds
             print(f"seed {seed}: SFT warm-up {seconds:.0f}s", flush=True)
-        for variant in args.variants.split(","):
+        for variant in variants:
             run_dir = out / f"{variant}_seed{seed}"
             extra = [a.format(group=config.rl.group_size) for a in VARIANTS[variant]]
             if (run_dir / "hf" / "final" / "config.json").exists():  # finished earlier: report it again
@@ -143,6 +143,22 @@ def main() -> None:
                 warnings.simplefilter("ignore", RuntimeWarning)
                 summary[variant][name] = {"mean": np.nanmean(values, 0).tolist(), "std": np.nanstd(values, 0).tolist()}
     results["summary"] = summary
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(REPO / "configs" / "tiny.py"))
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=0, help="RL steps (0: the config's train.steps)")
+    parser.add_argument("--eval-every", type=int, default=0, help="0: the config's train.eval_every")
+    parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"of {', '.join(VARIANTS)}")
+    parser.add_argument("--out", default=str(REPO / "runs" / "learning"))
+    args = parser.parse_args()
+    out = pathlib.Path(args.out)
+    results = run(args.config, seeds=range(args.seeds), variants=args.variants.split(","), out=out, steps=args.steps,
+                  eval_every=args.eval_every)
+    summary = results["summary"]
     (out / "learning.json").write_text(json.dumps(_nan_to_none(results), indent=1))
     print(f"\n{'variant':8s} {'seeds':>5s} {'pass@1 step 0':>14s} {'pass@1 final':>16s} {'pos. tool err final':>20s}"
           f" {'mismatch k3 (mean over steps)':>30s} {'RL wall s':>10s} {'staleness':>9s}")
@@ -168,33 +184,41 @@ def _nan_to_none(tree):
     return None if isinstance(tree, float) and np.isnan(tree) else tree
 
 
-def plot(summary: dict, path: pathlib.Path) -> None:
+TITLES = {"eval/pass@1": "held-out pass@1", "eval/tool_error_rate_positive": "held-out: tool-error rate, positive",
+          "eval/positive_with_tool_error": "held-out: correct with a failed call",
+          "eval/tool_error_rate_negative": "held-out: tool-error rate, negative",
+          "eval/tool_calls_mean": "held-out: tool calls per trajectory",
+          "eval/response_length_mean": "held-out: response length (tokens)",
+          "rollout/reward_mean": "rollouts: reward", "rollout/tool_error_rate_positive": "rollouts: tool-error rate, positive",
+          "mismatch/kl_k3": "update: KL(sampler || trainer), k3", "drift/logprob_abs_mean": "update: |log-prob drift|",
+          "async/staleness_mean": "update: mean staleness (updates behind)"}
+
+
+def plot(summary: dict, path: pathlib.Path, names: Sequence[str] = CURVES + ROLLOUT_CURVES) -> None:
+    """Mean ± sd over seeds of each curve in `names` against the RL step, and held-out pass@1
+    against the wall-clock."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    titles = {"eval/pass@1": "held-out pass@1", "eval/tool_error_rate_positive": "held-out: tool-error rate, positive",
-              "eval/tool_calls_mean": "held-out: tool calls per trajectory",
-              "eval/response_length_mean": "held-out: response length (tokens)",
-              "rollout/reward_mean": "rollouts: reward", "rollout/tool_error_rate_positive": "rollouts: tool-error rate, positive",
-              "mismatch/kl_k3": "update: KL(sampler || trainer), k3", "drift/logprob_abs_mean": "update: |log-prob drift|",
-              "async/staleness_mean": "update: mean staleness (updates behind)"}
-    columns = -(-(len(CURVES + ROLLOUT_CURVES) + 1) // 2)
+    columns = -(-(len(names) + 1) // 2)
     fig, axes = plt.subplots(2, columns, figsize=(5 * columns, 7))
-    for ax, name in zip(axes.T.flat, CURVES + ROLLOUT_CURVES):
+    for ax, name in zip(axes.T.flat, names):
         for variant, s in summary.items():
             x = np.asarray(s["rollout_step" if name in ROLLOUT_CURVES else "step"])
             mean, std = np.asarray(s[name]["mean"]), np.asarray(s[name]["std"])
             ax.plot(x, mean, marker="o", label=variant)
             ax.fill_between(x, mean - std, mean + std, alpha=0.2)
-        ax.set_title(titles[name])
+        ax.set_title(TITLES[name])
         ax.set_xlabel("RL step")
-    ax = axes.T.flat[len(CURVES + ROLLOUT_CURVES)]
+    ax = axes.T.flat[len(names)]
     for variant, s in summary.items():
         ax.plot(s["wall_s"]["mean"], s["eval/pass@1"]["mean"], marker="o", label=variant)
     ax.set_title("held-out pass@1 against wall-clock")
     ax.set_xlabel("seconds since RL started (mean over seeds)")
+    for ax in axes.T.flat[len(names) + 1:]:
+        ax.axis("off")
     axes.flat[0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
