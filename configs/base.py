@@ -71,6 +71,9 @@ def get_config() -> ml_collections.ConfigDict:
     # behaviours (rstar_jax.data.synthetic.BEHAVIOURS) being an answer without the tool, one correct
     # call, a failing call then the fix; 0 conversations = num_train.
     c.data.synthetic.sft_stages = ((0, (0.0, 1.0, 0.0)),)
+    # How the "fix" behaviour's first call fails: "unclosed" (its ")" left out) | "unmatched" (doubled);
+    # rstar_jax.data.synthetic.FIX_BUGS says why the second is the easier recovery to learn.
+    c.data.synthetic.fix_bug = "unclosed"
     c.data.synthetic.seed = 0
     c.data.synthetic.kinds = ()  # () = every generator in rstar_jax.data.synthetic.GENERATORS
     c.data.synthetic.difficulty = 1  # 1 (tiny runs) .. 3 (answers far beyond mental arithmetic)

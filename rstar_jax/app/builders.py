@@ -263,7 +263,7 @@ def prepare_data(config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     files = prepare_synthetic_data(out, num_train=syn.num_train,
                                    sft_stages=tuple((n, tuple(mix)) for n, mix in syn.sft_stages),
                                    tool_name=r.tool_name, format_observation=observation,
-                                   error_format=env.error_format, **kw)
+                                   error_format=env.error_format, fix_bug=syn.fix_bug, **kw)
     return (str(files.train),), tuple(map(str, files.sft))
 
 

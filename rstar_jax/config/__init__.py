@@ -44,7 +44,7 @@ from rstar_jax.agent.conversation import CONVERSATION_TEMPLATES
 from rstar_jax.agent.reward import SCORER_MODES
 from rstar_jax.agent.template import TEMPLATE_STYLES
 from rstar_jax.config import resolve
-from rstar_jax.data.synthetic import BEHAVIOURS, GENERATORS
+from rstar_jax.data.synthetic import BEHAVIOURS, FIX_BUGS, GENERATORS
 from rstar_jax.engine.weight_transfer import BACKENDS as WEIGHT_SYNC_BACKENDS
 from rstar_jax.errors import ConfigError, UserError  # noqa: F401  (re-exported)
 from rstar_jax.model.config import DTYPE_NAMES, MESH_AXES
@@ -497,6 +497,7 @@ def _check_values(check: Checker) -> None:
                       f"must be (conversations >= 0, ({len(BEHAVIOURS)} non-negative weights for {BEHAVIOURS} with a "
                       f"positive sum)) per stage, got {stages!r}")
     check.range("data.synthetic.difficulty", 1, 3)
+    check.enum("data.synthetic.fix_bug", FIX_BUGS)
     for kind in check.strings("data.synthetic.kinds"):
         check.require(kind in GENERATORS, "data.synthetic.kinds", f"unknown kind {kind!r}; known: {sorted(GENERATORS)}")
     train_files = check.strings("data.train_files")

@@ -250,6 +250,11 @@ def tool_call_text(code: str, tool_name: str = DEFAULT_TOOL_NAME, stdin: str = "
 # syntax error), then the corrected call and the answer. A warm-up on a mix leaves RL something to
 # choose between: the tool or not, and a clean call or one that needs a second try.
 BEHAVIOURS = ("direct", "tool", "fix")
+# The "fix" behaviour's first, failing call: its closing parenthesis left out ("unclosed", SyntaxError:
+# '(' was never closed) or doubled ("unmatched", SyntaxError: unmatched ')'). The second reports no
+# "(" of its own, so the only "(" the fix can copy its numbers after are the question's and the
+# failed call's, both followed by the factors: a recovery a small model can learn.
+FIX_BUGS = ("unclosed", "unmatched")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,16 +277,19 @@ def _syntax_error(code: str, error_format: str = "traceback") -> str:
 
 def sft_conversation(problem: Problem, *, tool_name: str = DEFAULT_TOOL_NAME,
                      format_observation: Callable[[ToolResult], str] | None = None,
-                     behaviour: str = "tool", error_format: str = "traceback") -> list[dict]:
+                     behaviour: str = "tool", error_format: str = "traceback", fix_bug: str = "unclosed") -> list[dict]:
     """A full solved conversation as chat messages for the template to render.
 
     The assistant turns omit the leading `<reason>` because the template forces it at the start of
     every assistant turn (spec §2.1); a tool message holds the code's real result, rendered by
     `format_observation` (e.g. the rollout loop's style) when given, else the bare stdout/stderr,
-    with a failing call's error in the sandbox's `error_format` ("traceback" or "release").
+    with a failing call's error in the sandbox's `error_format` ("traceback" or "release"); `fix_bug`
+    (`FIX_BUGS`): how the "fix" behaviour's first call fails.
     """
     if behaviour not in BEHAVIOURS:
         raise ValueError(f"sft_conversation: behaviour must be one of {BEHAVIOURS}, got {behaviour!r}")
+    if fix_bug not in FIX_BUGS:
+        raise ValueError(f"sft_conversation: fix_bug must be one of {FIX_BUGS}, got {fix_bug!r}")
     stdout = run_reference(problem)
     if stdout.strip() != str(problem.answer):
         raise RuntimeError(f"reference solution of a {problem.kind} problem printed {stdout!r}, "
@@ -293,7 +301,8 @@ def sft_conversation(problem: Problem, *, tool_name: str = DEFAULT_TOOL_NAME,
     if behaviour == "direct":  # without the tool, the magnitude at best: the leading digit, then zeros
         return messages + [{"role": "assistant", "content": boxed.format(round(problem.answer, 1 - len(str(problem.answer))))}]
     if behaviour == "fix":
-        broken = problem.solution.rstrip()[:-1]  # the call's closing parenthesis forgotten
+        solution = problem.solution.rstrip()
+        broken = solution[:-1] if fix_bug == "unclosed" else solution + ")"
         messages += [{"role": "assistant", "content": tool_call_text(broken, tool_name)},
                      {"role": "tool", "content": render(ToolResult("runtime_error",
                                                                    stderr=_syntax_error(broken, error_format)))}]
@@ -314,14 +323,15 @@ def behaviours_for(n: int, mix: Sequence[float], seed: int) -> list[str]:
 
 def write_sft_file(path: str | pathlib.Path, problems: Sequence[Problem], *, tool_name: str = DEFAULT_TOOL_NAME,
                    format_observation: Callable[[ToolResult], str] | None = None,
-                   behaviours: Sequence[str] | None = None, error_format: str = "traceback") -> pathlib.Path:
+                   behaviours: Sequence[str] | None = None, error_format: str = "traceback",
+                   fix_bug: str = "unclosed") -> pathlib.Path:
     """jsonl of {"messages": [...], "answer": "N", "behaviour": ...}: the SFT input format."""
     path = pathlib.Path(path)
     behaviours = behaviours or ["tool"] * len(problems)
     with _written_whole(path) as tmp, open(tmp, "w") as f:
         for p, behaviour in zip(problems, behaviours, strict=True):
             messages = sft_conversation(p, tool_name=tool_name, format_observation=format_observation,
-                                        behaviour=behaviour, error_format=error_format)
+                                        behaviour=behaviour, error_format=error_format, fix_bug=fix_bug)
             f.write(json.dumps({"messages": messages, "answer": str(p.answer), "behaviour": behaviour}) + "\n")
     return path
 
@@ -350,11 +360,11 @@ def prepare_synthetic_data(out_dir: str | pathlib.Path, *, num_train: int, num_e
                            kinds: Sequence[str] = (), difficulty: int = 1, tool_name: str = DEFAULT_TOOL_NAME,
                            format_observation: Callable[[ToolResult], str] | None = None,
                            sft_stages: Sequence[tuple[int, Sequence[float]]] = ((0, (0.0, 1.0, 0.0)),),
-                           error_format: str = "traceback") -> SyntheticFiles:
+                           error_format: str = "traceback", fix_bug: str = "unclosed") -> SyntheticFiles:
     """Writes RL problems, held-out problems and solved SFT conversations into `out_dir` and returns
     their paths. `sft_stages`: (conversations, weights over `BEHAVIOURS`) per SFT stage, 0
     conversations meaning `num_train`; stage i goes to `sft_<i>.jsonl`; failing calls' errors read as
-    the sandbox's `error_format` reports them. Deterministic in the seed, so a
+    the sandbox's `error_format` reports them, the "fix" behaviour's failing as `fix_bug` says. Deterministic in the seed, so a
     resumed run rewrites identical files. Held-out and SFT problems use their own seeds (seed+1,
     seed+2); no RL or SFT problem is a held-out one (small kinds, such as `product`'s 4624
     questions, may repeat within the RL or the SFT set)."""
@@ -369,7 +379,7 @@ def prepare_synthetic_data(out_dir: str | pathlib.Path, *, num_train: int, num_e
     for i, (n, (_, mix)) in enumerate(zip(counts, sft_stages)):
         files.append(write_sft_file(out / f"sft_{i}.jsonl", sft[start:start + n], tool_name=tool_name,
                                     format_observation=format_observation, error_format=error_format,
-                                    behaviours=behaviours_for(n, mix, seed + 3 + i)))
+                                    fix_bug=fix_bug, behaviours=behaviours_for(n, mix, seed + 3 + i)))
         start += n
     return SyntheticFiles(
         train=write_problems(out / "train.jsonl", train),

@@ -106,7 +106,8 @@ def test_sft_conversation_has_a_tool_call_real_output_and_boxed_answer():
 
 def test_sft_behaviours_answer_directly_or_fix_a_failing_call():
     problem = generate_problems(1, seed=5, kinds=["product"])[0]
-    assert re.fullmatch(r"What is \((\d\d) \* (\d\d)\)\?", problem.question)  # the call's own "(" anchors the copy
+    a, b = re.fullmatch(r"What is \((\d\d) \* (\d\d)\)\?", problem.question).groups()  # the call's own "(" anchors the copy
+    assert problem.solution == f"print({a} * {b})" and problem.answer == int(a) * int(b)
     direct = sft_conversation(problem, behaviour="direct")
     estimate = round(problem.answer, -3)
     assert [m["role"] for m in direct] == ["user", "assistant"]
@@ -119,6 +120,18 @@ def test_sft_behaviours_answer_directly_or_fix_a_failing_call():
     assert codes == [problem.solution[:-1], problem.solution]
     assert fix[2]["content"].startswith("runtime_error:") and "SyntaxError" in fix[2]["content"]
     assert fix[4]["content"] == f"ok: {problem.answer}\n"
+    # "unmatched": the failed call doubles its ")"; its error names no "(" of its own, so every "(" in
+    # the context before the fix is followed by the factors.
+    fix = sft_conversation(problem, tool_name="python", behaviour="fix", fix_bug="unmatched",
+                           format_observation=lambda r: f"{r.status}: {r.stdout or r.stderr}")
+    codes = [json.loads(re.search(r"<tool_call>\n(.*)\n</tool_call>", m["content"], re.S).group(1))["arguments"]["code"]
+             for m in (fix[1], fix[3])]
+    assert codes == [problem.solution + ")", problem.solution]
+    assert "SyntaxError: unmatched ')'" in fix[2]["content"]
+    before_fix = "".join(m["content"] for m in fix[:3])
+    assert before_fix.count("(") == before_fix.count(f"({a} * {b})") == 3  # question, call, the error's echo of it
+    with pytest.raises(ValueError, match="fix_bug must be one of"):
+        sft_conversation(problem, behaviour="fix", fix_bug="typo")
     with pytest.raises(ValueError, match="behaviour must be one of"):
         sft_conversation(problem, behaviour="guess")
     drawn = behaviours_for(1000, (0.5, 0.3, 0.2), seed=0)
