@@ -44,7 +44,7 @@ import re
 import traceback
 from typing import Sequence
 
-from sandbox_service.harness import release_error
+from sandbox_service.harness import FILENAME, release_error
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -169,7 +169,7 @@ def syntax_error_text(code: str, error_format: str = "traceback") -> str | None:
         if error_format == "release":
             ast.parse(code)  # where the release's wrapper meets it
         else:
-            compile(code, "<string>", "exec")
+            ast.parse(code, FILENAME, "exec")  # as the sandbox's harness parses it, under its file name
     except SyntaxError as e:
         if error_format == "release":
             return release_error(e, code) + "\n"

@@ -315,3 +315,15 @@ def test_filling_the_scratch_disk_is_contained_and_cleaned(sandbox):
     assert r.status == status.OK and r.stdout == "ENOSPC True\n", r
     after = run(sandbox, listing)
     assert after.status == status.OK and after.stdout == before.stdout and "'x'" not in before.stdout, after
+
+
+@pytest.mark.parametrize("error_format", ["traceback", "release"])
+def test_the_sft_data_writes_a_syntax_error_as_the_sandbox_reports_it(sandbox, error_format):
+    """The synthetic warm-up's failed calls (`rstar_jax.data.synthetic`, fix behaviour) show the error
+    text this sandbox writes, file name and caret included: a policy warmed up on them meets the
+    same observation in RL."""
+    from rstar_jax.agent.tool_calls import syntax_error_text
+
+    for code in ("print(47 * 38", "print(47 * 38))"):
+        r = run(sandbox, code, error_format=error_format)
+        assert r.status == status.RUNTIME_ERROR and r.stderr == syntax_error_text(code, error_format), r
