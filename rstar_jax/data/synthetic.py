@@ -252,8 +252,8 @@ def tool_call_text(code: str, tool_name: str = DEFAULT_TOOL_NAME, stdin: str = "
 BEHAVIOURS = ("direct", "tool", "fix")
 # The "fix" behaviour's first, failing call: its closing parenthesis left out ("unclosed", SyntaxError:
 # '(' was never closed) or doubled ("unmatched", SyntaxError: unmatched ')'). The second reports no
-# "(" of its own, so the only "(" the fix can copy its numbers after are the question's and the
-# failed call's, both followed by the factors: a recovery a small model can learn.
+# "(" of its own: every "(" the fix can copy its numbers after (the question's, the failed call's and
+# the traceback's echo of it) is followed by the factors (benchmarks/roc_effect.py).
 FIX_BUGS = ("unclosed", "unmatched")
 
 
