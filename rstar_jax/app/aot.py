@@ -205,11 +205,12 @@ def compile_engine(config, tensor: int) -> list[CompiledStep]:
         return arrays(((rows,), jnp.int32), ((rows,), jnp.float32), ((rows,), jnp.float32), ((rows,), jnp.int32))
 
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
+    step = jax.ShapeDtypeStruct((), jnp.uint32, sharding=replicated)
     rows = min(8, e.slots)  # JaxEngine's prefill batch
     prefill_args = [state, cache, *arrays(((rows, span), jnp.int32), ((rows, prefill_length(e)), jnp.int32),
-                                          ((rows,), jnp.int32), ((rows,), jnp.int32)), key, *sampling(rows)]
+                                          ((rows,), jnp.int32), ((rows,), jnp.int32)), key, step, *sampling(rows)]
     decode_args = [state, cache, *arrays(((e.slots, span), jnp.int32), ((e.slots,), jnp.int32),
-                                         ((e.slots,), jnp.int32)), key, *sampling(e.slots)]
+                                         ((e.slots,), jnp.int32)), key, step, *sampling(e.slots)]
     return [_measure(name, jax.jit(functools.partial(kernel, graphdef, False), donate_argnums=(1,)), args, data=cache)
             for name, kernel, args in ((f"engine prefill (tp {tensor})", prefill_step, prefill_args),
                                        (f"engine decode (tp {tensor})", decode_step, decode_args))]

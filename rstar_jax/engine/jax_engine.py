@@ -122,10 +122,12 @@ RETRACT_DECODE_STEPS = 20  # SGLang's headroom per running request in the post-r
 
 
 def prefill_step(graphdef, original_logprobs: bool, state, cache: PagedKVCache, tables, ids, starts, lengths, key,
-                 seeds, temperature, top_p, top_k):
+                 step, seeds, temperature, top_p, top_k):
     """The engine's prefill kernel (jitted with `graphdef` and `original_logprobs` bound, the cache
     donated): row r holds context[starts[r]:lengths[r]], written into its pages; one token sampled
-    per row. Returns (cache, tokens, logprobs)."""
+    per row. `key` is the engine's, `step` its call counter (this call's key is their fold: a key
+    split on the host costs a device round trip every step). Returns (cache, tokens, logprobs)."""
+    key = jax.random.fold_in(key, step)
     model = nnx.merge(graphdef, state)
     # Positions before starts[r] are already in row r's pages.
     positions = starts[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
@@ -137,8 +139,10 @@ def prefill_step(graphdef, original_logprobs: bool, state, cache: PagedKVCache, 
 
 
 def decode_step(graphdef, original_logprobs: bool, state, cache: PagedKVCache, page_table, tokens, positions, key,
-                seeds, temperature, top_p, top_k):
-    """The engine's decode kernel: one token for every slot. Returns (cache, tokens, logprobs)."""
+                step, seeds, temperature, top_p, top_k):
+    """The engine's decode kernel: one token for every slot (`key`, `step`: as `prefill_step`'s).
+    Returns (cache, tokens, logprobs)."""
+    key = jax.random.fold_in(key, step)
     model = nnx.merge(graphdef, state)
     logits, cache = model.forward_with_paged_cache(tokens[:, None], positions[:, None], cache, page_table)
     keys = row_keys(key, seeds, positions + 1)  # the sampled token's absolute position
@@ -227,9 +231,10 @@ class _Scheduler:
         self._cancel_pending = True
         self._wake.set()
 
-    def _next_key(self):
-        self._key, key = jax.random.split(self._key)
-        return key
+    def _next_step(self) -> np.uint32:
+        """The device call's counter, folded into the engine's key on the device."""
+        self._calls = (self._calls + 1) % 2**32
+        return np.uint32(self._calls)
 
     def _resolve(self, request: _Request, reason: str) -> None:
         result = GenerateResult(list(request.tokens), list(request.logprobs), reason, self._version,
@@ -477,10 +482,11 @@ class _Scheduler:
             starts[row], lengths[row] = start, end
         requests = {row: request for row, (_, request, _, _) in enumerate(group)}
         seeds, temperature, top_p, top_k = self._sampling_arrays(rows, requests)
+        # NumPy arguments go to the jitted call as they are: its C++ path transfers them, where
+        # jnp.asarray dispatches a staging computation for each (most of a decode step's host time on a GPU).
         self._cache, tokens, logprobs = self._prefill(
-            self._state, self._cache, jnp.asarray(tables), jnp.asarray(ids), jnp.asarray(starts), jnp.asarray(lengths),
-            self._next_key(),
-            jnp.asarray(seeds), jnp.asarray(temperature), jnp.asarray(top_p), jnp.asarray(top_k))
+            self._state, self._cache, tables, ids, starts, lengths, self._key, self._next_step(),
+            seeds, temperature, top_p, top_k)
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         now = time.perf_counter()
         for row, (slot, request, start, end) in enumerate(group):
@@ -548,10 +554,10 @@ class _Scheduler:
         positions = np.full(self.slots, self._span, np.int32)  # idle slots: writes are dropped
         positions[active] = self._positions[active]
         span = self._span_pages(max(len(self._slot_pages[i]) for i in active))
+        # Copies of the engine's own arrays: a CPU device may read a NumPy argument in place, later.
         self._cache, tokens, logprobs = self._decode(
-            self._state, self._cache, jnp.asarray(self._page_table[:, :span]), jnp.asarray(self._last_token),
-            jnp.asarray(positions), self._next_key(), jnp.asarray(seeds), jnp.asarray(temperature),
-            jnp.asarray(top_p), jnp.asarray(top_k))
+            self._state, self._cache, self._page_table[:, :span].copy(), self._last_token.copy(), positions,
+            self._key, self._next_step(), seeds, temperature, top_p, top_k)
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         self._new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self._new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         for i in active:
@@ -651,6 +657,7 @@ class JaxEngine(_Scheduler):
         self.prompt_tokens = 0  # context tokens of first admissions, and those the cache supplied
         self.cached_tokens = 0
         self._key = jax.random.key(seed)
+        self._calls = 0  # prefill and decode calls so far: each one's key is fold_in(key, calls)
         self._version = 0
         self._incoming: queue.Queue[_Request] = queue.Queue()  # from the event loop; drained by the engine
         self._waiting: collections.deque[_Request] = collections.deque()
