@@ -203,7 +203,7 @@ def get_config() -> ml_collections.ConfigDict:
     # trains, then pushes). K >= 1: the rollouts of step s start once step s - K - 1 is trained, so
     # generation of the next K steps overlaps the update and the long tail; weights are pushed while
     # rollouts run (the in-process engine swaps between two decode steps; servers need
-    # weight_sync.mode "pause" or "abort"); every trained token is at most K updates old; and the
+    # weight_sync.mode "pause", "in_place" or "abort"); every trained token is at most K updates old; and the
     # rollout correction is on (rl.rollout_is defaults to "token" when not set).
     c.rl.max_staleness = 0
 
@@ -296,7 +296,9 @@ def get_config() -> ml_collections.ConfigDict:
     # the `distributed-sync` extra, on both sides).
     c.weight_sync.method = "disk"
     # "wait": running requests finish on the old weights; "abort": they end with partial output;
-    # "pause": pause (abort), update, continue.
+    # "pause": pause (abort), update, continue; "in_place": pause in place (running requests freeze
+    # with their KV), update, continue: they go on under the new weights, each token's version
+    # reported (SGLang >= 0.5.23's meta_info.weight_versions; older servers: the older version).
     c.weight_sync.mode = "wait"
     # The tensors' dtype ("" = model.param_dtype): bf16 halves the bytes; SGLang serves in bf16 anyway.
     c.weight_sync.dtype = "bfloat16"

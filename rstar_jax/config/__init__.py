@@ -575,8 +575,8 @@ def _check_values(check: Checker) -> None:
     check.build(lambda: resolve.loss_config(config))
     if check.positive_int("rl.max_staleness", allow_zero=True) and rl.max_staleness >= 1 \
             and r.backend != "jax" and check.ok("weight_sync.mode"):
-        check.require(config.weight_sync.mode in ("pause", "abort"), "weight_sync.mode",
-                      f"must be 'pause' or 'abort' under rl.max_staleness={rl.max_staleness}: weights are pushed "
+        check.require(config.weight_sync.mode in ("pause", "in_place", "abort"), "weight_sync.mode",
+                      f"must be 'pause', 'in_place' or 'abort' under rl.max_staleness={rl.max_staleness}: weights are pushed "
                       f"while rollouts run, and 'wait' holds each push until the servers drain, got "
                       f"{config.weight_sync.mode!r}")
     for field in ("rl.rollout_is", "rl.rollout_rs"):

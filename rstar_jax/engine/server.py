@@ -322,6 +322,10 @@ class EngineServer:
             "weight_version": self.weight_version,
             "e2e_latency": time.perf_counter() - start,
         }
+        spans = self._version_spans(result.token_versions)
+        if len(spans) > 1:  # an in-place weight update crossed the request: SGLang 0.5.23's spans
+            meta["weight_versions"] = spans
+            meta["weight_version"] = spans[-1]["version"]
         if options.return_logprob:
             meta["output_token_logprobs"] = self._triples(result.logprobs, result.token_ids, options.with_text)
             meta["output_token_logprobs_length"] = len(result.token_ids)
@@ -339,6 +343,18 @@ class EngineServer:
                                                    for row in scores["output_top"]]
         out = {} if text is None else {"text": text}
         return {**out, "output_ids": result.token_ids, "meta_info": meta}
+
+    def _version_spans(self, token_versions) -> list[dict]:
+        """SGLang's meta_info.weight_versions: [{"version", "start", "end"}] over the output tokens,
+        one span per run of tokens one weight version sampled."""
+        spans: list[dict] = []
+        for i, version in enumerate(token_versions or ()):
+            name = self.weights.version_name(version)
+            if spans and spans[-1]["version"] == name:
+                spans[-1]["end"] = i + 1
+            else:
+                spans.append({"version": name, "start": i, "end": i + 1})
+        return spans
 
     def _triples(self, logprobs, ids, with_text: bool) -> list[list]:
         """SGLang's [logprob, token id, text or None] triples."""

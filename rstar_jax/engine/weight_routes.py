@@ -6,7 +6,9 @@ abort, retract, in_place), `/continue_generation`, `/get_weight_version` and no-
 `/release_memory_occupation` / `/resume_memory_occupation`.
 
 The weight_version string starts as "0" and becomes the `weight_version` a weight update names, or
-the engine's version counter when it names none. Loading weights from disk is the caller's
+the engine's version counter when it names none. `version_name` maps the engine's version counter
+(the one its tokens carry) to that string, for the per-token `weight_versions` of a response whose
+request an in-place update crossed. Loading weights from disk is the caller's
 (`load_weights(path) -> model`), and so are applying tensors received by name
 (`load_tensors(model, {name: array}) -> model`) and reading one back (`read_tensor(model, name)`), so
 this module knows no checkpoint format. The distributed update joins the trainer's torch.distributed
@@ -46,9 +48,19 @@ class WeightRoutes:
         self.load_tensors = load_tensors
         self.read_tensor = read_tensor
         self.weight_version = str(engine.version)
+        self._names = {engine.version: self.weight_version}  # the engine's version -> weight_version
         self._groups: dict[str, weight_transfer.WeightUpdateGroup] = {}  # weight-update groups by name
         self._weight_session = False  # SGLang 0.5.23's begin/end_weight_update bracket is open
         self._update_lock = asyncio.Lock()
+
+    def _swapped(self, version: int, given) -> None:
+        """After the engine swapped to `version`: the weight_version string it serves under."""
+        self.weight_version = str(given) if given is not None else str(version)
+        self._names[version] = self.weight_version
+
+    def version_name(self, version: int) -> str:
+        """The weight_version string of the engine's `version` (its counter, where no update named one)."""
+        return self._names.get(version, str(version))
 
     def routes(self) -> list[tuple[str, str, Any]]:
         return [
@@ -82,8 +94,7 @@ class WeightRoutes:
             except (OSError, ValueError) as e:
                 return web.json_response({"success": False, "message": f"Failed to update weights: {e}",
                                           "num_paused_requests": 0}, status=400)
-            given = body.get("weight_version")
-            self.weight_version = str(given) if given is not None else str(version)
+            self._swapped(version, body.get("weight_version"))
         return web.json_response({"success": True, "message": f"Succeeded to update model weights from {path}.",
                                   "num_paused_requests": 0})
 
@@ -144,12 +155,12 @@ class WeightRoutes:
                     raise ValueError("names lists a tensor twice")
                 arrays = dict(zip(names, map(weight_transfer.to_array, tensors)))
                 model = await asyncio.to_thread(self.load_tensors, self.engine.model, arrays)
-                await asyncio.to_thread(self.engine.update_weights, model,
-                                        abort_in_flight=bool(body.get("abort_all_requests", False)))
+                version = await asyncio.to_thread(self.engine.update_weights, model,
+                                                  abort_in_flight=bool(body.get("abort_all_requests", False)))
             except (RuntimeError, ValueError) as e:  # a broken group or a tensor this model has not
                 return _weights_error(f"Failed to update parameter online: {e}.")
-            if body.get("weight_version") is not None:
-                self.weight_version = str(body["weight_version"])
+            # A call without a version keeps the string (SGLang's behaviour); its tokens map to it.
+            self._swapped(version, body.get("weight_version", self.weight_version))
         return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:

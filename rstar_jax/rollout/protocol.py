@@ -83,8 +83,9 @@ class GenerateResult:
     weight_version: int = 0  # policy version that produced the tokens (the last one, if it changed)
     num_retractions: int = 0  # times KV pressure retracted the request (its tokens were recomputed)
     cached_tokens: int = 0  # context tokens whose KV a prefix cache supplied (not prefilled again)
-    # The version that sampled each token, where the generator reports it (the in-process engine,
-    # whose weights can change under a running request); None: every token is `weight_version`'s.
+    # The version that sampled each token, where the generator reports it (the in-process engine and
+    # servers whose weights an in-place update changed under a running request); None: every token
+    # is `weight_version`'s.
     token_versions: tuple[int, ...] | None = None
 
     def __post_init__(self):

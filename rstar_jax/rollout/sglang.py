@@ -32,6 +32,11 @@ SGLang 0.5.x versions differ; each client detects its server once and remembers 
   first seeded request logs a warning (once per server) when `/get_server_info` shows it off.
 - Weight version: `/model_info` (0.5.23 has no `/get_weight_version`), else `/get_weight_version`,
   else `/get_server_info`'s startup value. A disk update that loaded never raises for want of it.
+- Per-token versions: a request that an in-place weight update crossed comes back from SGLang
+  0.5.23 (and `rstar_jax.serve`) with `meta_info.weight_versions`, spans of output tokens per
+  version, which become `GenerateResult.token_versions`. A server without them that reports a newer
+  version than the request was sent under, after this client paused it in place, gets every token
+  labelled with the older version: staleness is overstated, never understated.
 
 Errors: connection failures and HTTP 502/503/504 are retried a bounded number of times with
 exponential backoff (a `/generate` only when it cannot have reached the server), then raise
@@ -112,9 +117,30 @@ def parse_generate_response(body: dict, *, url: str = "server") -> GenerateResul
     if reason not in FINISH_REASONS:
         raise SGLangError(f"{url}: unknown finish_reason {finish!r}")
     version = parse_weight_version(meta.get("weight_version"))
+    spans = meta.get("weight_versions")
     return GenerateResult(output_ids, logprobs, reason, version if version is not None else 0,
                           num_retractions=int(meta.get("num_retractions") or 0),
-                          cached_tokens=int(meta.get("cached_tokens") or 0))
+                          cached_tokens=int(meta.get("cached_tokens") or 0),
+                          token_versions=None if spans is None else token_versions(spans, len(output_ids), url))
+
+
+def token_versions(spans: Any, count: int, url: str = "server") -> tuple[int, ...]:
+    """SGLang 0.5.23's meta_info.weight_versions (`[{"version", "start", "end"}]`, contiguous spans
+    over the output tokens) as one version per token; a version that is not a number (SGLang's
+    startup "default") is 0, as for `weight_version`."""
+    versions: list[int] = []
+    try:
+        for span in spans:
+            start, end = int(span["start"]), int(span["end"])
+            if start != len(versions) or end < start:
+                raise ValueError(f"span [{start}, {end}) does not continue at token {len(versions)}")
+            version = parse_weight_version(span["version"])
+            versions += [0 if version is None else version] * (end - start)
+    except (KeyError, TypeError, ValueError) as e:
+        raise SGLangError(f"{url}: /generate meta_info.weight_versions is malformed ({e}): {str(spans)[:300]}") from e
+    if len(versions) != count:
+        raise SGLangError(f"{url}: meta_info.weight_versions covers {len(versions)} tokens, output_ids has {count}")
+    return tuple(versions)
 
 
 def sampling_payload(sampling: SamplingParams) -> dict:
@@ -166,6 +192,7 @@ class SGLangGenerator(SGLangWeightsMixin):
         self._weight_sessions: bool | None = None  # whether it has /begin_weight_update (SGLang 0.5.23)
         self._load_route: str | None = None  # the first of LOAD_ROUTES this server answers
         self._pause_body: bool | None = None  # whether /pause_generation accepts {"mode": ...}
+        self._in_place_pauses = 0  # in-place pauses so far: weights may change under a running request
         self._determinism_checked = False
         # The model's vocabulary (embedding rows): given, else what the server or its model's
         # config.json says (see `vocab_limit`). An id at or past it kills a real SGLang server.
@@ -255,6 +282,7 @@ class SGLangGenerator(SGLangWeightsMixin):
             await self._check_determinism()
         payload = {"input_ids": ids, "sampling_params": sampling_payload(sampling), "return_logprob": True,
                    "logprob_start_len": -1, "rid": rid or new_rid(), "stream": False}
+        sent_under, in_place_pauses = self._version, self._in_place_pauses
         # Not idempotent: a request the server accepted may already be running, so only failures to
         # connect are retried.
         _, body = await self._request("POST", "/generate", payload, idempotent=False, timeout=self._generate_timeout)
@@ -263,6 +291,11 @@ class SGLangGenerator(SGLangWeightsMixin):
                 raise SGLangError(f"{self.base_url}/generate: expected one result, got {len(body)}")
             body = body[0]
         result = parse_generate_response(body, url=self.base_url)
+        if (result.token_versions is None and self._in_place_pauses != in_place_pauses
+                and result.weight_version != sent_under):
+            # Swapped under it in place, and no per-token spans: the older version for every token.
+            result = dataclasses.replace(result, token_versions=(min(sent_under, result.weight_version),)
+                                         * len(result.token_ids))
         version = parse_weight_version(body["meta_info"].get("weight_version"))
         if version is not None:
             self._version = version

@@ -54,6 +54,8 @@ class SGLangWeightsMixin:
         Late-2025 builds take no body and only abort: a server that refuses the body is asked again
         without one (mode "abort" only). Their handler may also ignore a body, so a mode other than
         "abort" is refused on servers without /v1/loads (the 2026 route set that has pause modes)."""
+        if mode == "in_place":
+            self._in_place_pauses += 1  # before the server freezes: a response racing it is labelled safely
         if mode != "abort":
             await self.loads()  # detects the route set once
             if self._pause_body is False or self._load_route != LOAD_ROUTES[0]:

@@ -15,7 +15,7 @@ from rstar_jax.rollout.loop import LoopConfig
 from rstar_jax.train.batching import bucket_length  # numpy only
 
 # `config.weight_sync.mode` and `.method`, as `train.weight_sync` implements them.
-SYNC_MODES = ("abort", "pause", "wait")
+SYNC_MODES = ("abort", "pause", "in_place", "wait")
 SYNC_METHODS = ("disk", "distributed")
 
 LR_SCHEDULES = ("constant", "cosine", "wsd")

@@ -19,9 +19,14 @@ so it continues across resumes and every generated token records the policy that
   tensor at a time); nothing passes through the host (except under several trainer processes,
   below). torch is imported when the group is formed (the `distributed-sync` extra).
 
-Modes ("wait" | "abort" | "pause"), for both server syncs: "wait" lets running requests finish on
-the old weights first; "abort" sets `abort_all_requests` (running requests return partial output
-with finish reason "abort"); "pause" pauses (abort mode), updates and continues. A server not yet
+Modes ("wait" | "abort" | "pause" | "in_place"), for both server syncs: "wait" lets running requests
+finish on the old weights first; "abort" sets `abort_all_requests` (running requests return partial
+output with finish reason "abort"); "pause" pauses (abort mode), updates and continues; "in_place"
+pauses in place (running requests freeze, their KV kept), updates without flushing the prefix
+cache (SGLang refuses a flush while requests are frozen, failing the update; `rstar_jax.serve`
+drops it anyway) and continues: the frozen requests go on under the new weights, their tokens
+labelled per version (`SGLangGenerator`). On SGLang the cached prefixes the old weights computed
+stay and new requests may reuse them; the rollout correction sees that as sampler mismatch. A server not yet
 seen ready is first waited for (`/health_generate`, up to `ready_timeout_s`): the first sync may
 come while it still loads.
 
@@ -149,6 +154,10 @@ class EngineSync:
         return {}  # one swap in place: time/weight_sync_s is all of it
 
 
+# The sync modes that pause the servers around an update, and the pause mode each uses.
+PAUSING_MODES = {"pause": "abort", "in_place": "in_place"}
+
+
 def _check_mode(mode: str, who: str) -> None:
     if mode not in SYNC_MODES:
         raise ValueError(f"{who}: mode must be one of {SYNC_MODES}, got {mode!r}")
@@ -164,8 +173,8 @@ async def _on_every_server(generators: Sequence[SGLangGenerator], mode: str, rea
     async def one(gen: SGLangGenerator):
         if not gen.ready:
             await gen.wait_ready(ready_timeout_s)
-        if mode == "pause":
-            await gen.pause("abort")
+        if mode in PAUSING_MODES:
+            await gen.pause(PAUSING_MODES[mode])
             try:
                 await update(gen, False)
             finally:
@@ -241,7 +250,8 @@ async def sync_weights_via_disk(model, generators: Sequence[SGLangGenerator], di
     timings["export_s"] = time.perf_counter() - start
 
     async def load(gen: SGLangGenerator, abort: bool):
-        await gen.update_weights_from_disk(path, abort_all_requests=abort, weight_version=version)
+        await gen.update_weights_from_disk(path, abort_all_requests=abort, weight_version=version,
+                                           flush_cache=mode != "in_place")
 
     start = time.perf_counter()
     await _on_every_server(generators, mode, ready_timeout_s, load, take_out)
@@ -328,8 +338,8 @@ class DistributedSync(_ServerSync):
                 start = time.perf_counter()
                 await self._init_group(live)
                 timings["group_s"] = time.perf_counter() - start
-            if self.mode == "pause":
-                await asyncio.gather(*(g.pause("abort") for g in self._members))
+            if self.mode in PAUSING_MODES:
+                await asyncio.gather(*(g.pause(PAUSING_MODES[self.mode]) for g in self._members))
         try:
             if writer:  # SGLang 0.5.23 loads distributed updates only inside a session
                 await asyncio.gather(*(g.begin_weight_update() for g in self._members))
@@ -356,7 +366,7 @@ class DistributedSync(_ServerSync):
                 for gen, outcome in zip(self._members, ended):
                     if isinstance(outcome, BaseException):
                         log.warning("%s: closing the weight-update session failed: %s", gen.base_url, outcome)
-            if writer and self.mode == "pause":
+            if writer and self.mode in PAUSING_MODES:
                 await asyncio.gather(*(g.resume() for g in self._members), return_exceptions=True)
         multihost.barrier(f"weights {version} broadcast")
         self.version, self.timings = version, timings
@@ -437,7 +447,8 @@ class DistributedSync(_ServerSync):
         shapes = [list(t.shape) for t in tensors]
         abort = self.mode == "abort"
         calls = [g.update_weights_from_distributed(names, dtypes, shapes, group_name=self.group_name,
-                                                   weight_version=version, abort_all_requests=abort)
+                                                   weight_version=version, abort_all_requests=abort,
+                                                   flush_cache=self.mode != "in_place")
                  for g in self._members]
         await _together(lambda: self._group.broadcast(tensors), calls,
                         f"broadcasting {len(names)} tensors ({names[0]} ...) to {len(self._members)} server(s)")

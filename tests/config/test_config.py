@@ -194,7 +194,7 @@ def test_tiny_config_describes_a_tiny_model():
     ({"weight_sync.method": "nccl"}, r"config.weight_sync.method: must be one of \('disk', 'distributed'\)"),
     ({"weight_sync.method": "distributed"}, r"config.weight_sync.method: 'distributed' updates SGLang\(-compatible\) "
                                             r"servers: it needs rollout.backend='sglang'"),
-    ({"weight_sync.mode": "drain"}, r"config.weight_sync.mode: must be one of \('abort', 'pause', 'wait'\)"),
+    ({"weight_sync.mode": "drain"}, r"config.weight_sync.mode: must be one of \('abort', 'pause', 'in_place', 'wait'\)"),
     ({"weight_sync.dtype": "float8"}, r"config.weight_sync.dtype: must be '' \(the model's param_dtype\) or one of"),
     ({"weight_sync.max_shard_bytes": 0}, r"config.weight_sync.max_shard_bytes: must be a positive integer, got 0"),
     ({"weight_sync.writer_threads": 0}, r"config.weight_sync.writer_threads: must be a positive integer, got 0"),

@@ -208,3 +208,32 @@ def test_both_weight_syncs_make_the_servers_weights_the_trainers(start_sglang, t
     tokens, logprobs = reference(wire_model, context, 12)
     assert wire_result.token_ids == tokens
     np.testing.assert_allclose(wire_result.logprobs, logprobs, atol=1e-4)
+
+
+def test_an_in_place_push_lets_a_running_generation_go_on_with_per_token_versions(start_sglang,
+                                                                                  tiny_qwen3_checkpoint, tmp_path):
+    """weight_sync.mode "in_place" on SGLang: paused in place, updated from disk without a cache flush
+    (SGLang fails an update whose flush finds requests frozen), continued. The running request
+    finishes whole, and SGLang's meta_info.weight_versions gives its tokens the old version, then
+    the new one."""
+    from rstar_jax.train.weight_sync import DiskSync
+
+    server = start_sglang(tiny_qwen3_checkpoint, context_length=CONTEXT, max_total_tokens=POOL)
+    context, n = prompt(40, 12), 300
+
+    async def run():
+        async with SGLangGenerator(server.url) as gen:
+            sync = DiskSync([gen], tmp_path / "weights", mode="in_place", dtype="float32")
+            await sync.push(Qwen3(Qwen3Config.tiny(), rngs=nnx.Rngs(5)), 1)
+            task = asyncio.ensure_future(gen.generate(context, greedy(n)))
+            while (await gen.capacity()).running_requests < 1:
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.5)  # some tokens in
+            await sync.push(Qwen3(Qwen3Config.tiny(), rngs=nnx.Rngs(6)), 2)
+            return await task, await gen.weight_version()
+
+    result, version = asyncio.run(run())
+    assert version == "2" and result.finish_reason == "length" and len(result.token_ids) == n
+    assert result.weight_version == 2 and result.token_versions is not None
+    split = result.token_versions.index(2)
+    assert 0 < split < n and result.token_versions == (1,) * split + (2,) * (n - split)

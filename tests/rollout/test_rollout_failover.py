@@ -349,7 +349,7 @@ def test_a_server_that_fails_its_weight_update_leaves_the_rotation(tmp_path):
         def __init__(self, name, failing=False):
             self.name, self.base_url, self.failing, self.ready, self.loaded = name, f"http://{name}", failing, True, []
 
-        async def update_weights_from_disk(self, path, *, abort_all_requests=False, weight_version=None):
+        async def update_weights_from_disk(self, path, *, abort_all_requests=False, weight_version=None, flush_cache=True):
             if self.failing:
                 raise SGLangUnavailable(f"{self.base_url}/update_weights_from_disk: connection refused")
             self.loaded.append(weight_version)

@@ -494,3 +494,77 @@ def test_an_sglang_router_is_refused_as_a_generator_with_what_to_do():
                 await gen.capacity()
 
     run_with([Router("2026")], body)
+
+
+class HeldGeneration(StandIn):
+    """A 2026 stand-in whose generations answer only once `release` is set, with the weight version
+    of that moment; with `spans`, also SGLang 0.5.23's `meta_info.weight_versions` for a request an
+    update crossed (its first two tokens under the version it started with)."""
+
+    def __init__(self, spans: bool):
+        super().__init__("2026", deterministic=True)
+        self.spans = spans
+        self.started = self.release = None  # asyncio events, made on the test's loop
+
+    async def generate(self, request):
+        body = await request.json()
+        self.calls.append(("/generate", body))
+        started_under = self.weight_version
+        self.started.set()
+        await self.release.wait()
+        ids = ANSWER[:body["sampling_params"]["max_new_tokens"]]
+        meta = {"id": body["rid"], "finish_reason": {"type": "length", "length": len(ids)},
+                "prompt_tokens": len(body["input_ids"]), "completion_tokens": len(ids), "cached_tokens": 0,
+                "weight_version": self.weight_version, "output_token_logprobs": [[-0.5, t, None] for t in ids]}
+        if self.spans and started_under != self.weight_version:
+            meta["weight_versions"] = [{"version": started_under, "start": 0, "end": 2},
+                                       {"version": self.weight_version, "start": 2, "end": len(ids)}]
+        return web.json_response({"output_ids": ids, "meta_info": meta})
+
+
+@pytest.mark.parametrize("spans", [True, False], ids=["per-token spans", "no spans"])
+def test_an_in_place_push_under_a_running_request_labels_every_token_no_newer_than_its_sampler(
+        spans, tmp_path, monkeypatch):
+    """weight_sync.mode "in_place": the server is paused in place, updated without a cache flush (SGLang
+    refuses one while requests are frozen) and continued; the running request comes back whole and
+    its tokens carry SGLang's per-token versions, or, from a server without them, the version it
+    was sent under: staleness overstated, never understated."""
+    from rstar_jax.train import weight_sync
+
+    monkeypatch.setattr(weight_sync, "save_pretrained", lambda model, directory, **export: directory)
+    server = HeldGeneration(spans)
+
+    async def body(s):
+        s.started, s.release = asyncio.Event(), asyncio.Event()
+        async with SGLangGenerator(s.url) as gen:
+            sync = weight_sync.DiskSync([gen], tmp_path, mode="in_place", ready_timeout_s=10)
+            await sync.push(None, 3)
+            running = asyncio.ensure_future(gen.generate([1, 2], SamplingParams(max_new_tokens=6)))
+            await s.started.wait()
+            await sync.push(None, 4)
+            s.release.set()
+            return await running
+
+    result = run_with([server], body)
+    assert result.finish_reason == "length" and len(result.token_ids) == 6 and result.weight_version == 4
+    assert result.token_versions == ((3, 3, 4, 4, 4, 4) if spans else (3,) * 6)
+    assert [b for r, b in server.calls if r == "/pause_generation"] == ['{"mode": "in_place"}'] * 2
+    assert [b["flush_cache"] for r, b in server.calls if r == "/update_weights_from_disk"] == [False, False]
+    assert routes(server).count("/continue_generation") == 2
+
+
+@pytest.mark.parametrize("spans, problem", [
+    ([{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 3, "end": 6}], "does not continue at token 2"),
+    ([{"version": "3", "start": 0, "end": 4}], "covers 4 tokens, output_ids has 6"),
+    ([{"version": "3", "start": 0}], "malformed"),
+])
+def test_malformed_weight_version_spans_are_refused_by_name(spans, problem):
+    ids = ANSWER[:6]
+    body = {"output_ids": ids, "meta_info": {
+        "finish_reason": {"type": "length", "length": 6}, "weight_version": "4", "weight_versions": spans,
+        "output_token_logprobs": [[-0.5, t, None] for t in ids]}}
+    with pytest.raises(SGLangError, match=rf"meta_info\.weight_versions.*{problem}|{problem}"):
+        sglang_module.parse_generate_response(body, url="http://127.0.0.1:1")
+    body["meta_info"]["weight_versions"] = [{"version": "default", "start": 0, "end": 2},
+                                            {"version": "4", "start": 2, "end": 6}]
+    assert sglang_module.parse_generate_response(body).token_versions == (0, 0, 4, 4, 4, 4)

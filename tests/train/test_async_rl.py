@@ -206,7 +206,8 @@ def test_config_checks_and_the_default_correction():
     assert resolve.loss_config(_tiny(**{"rl.max_staleness": 1, "rl.use_sampler_logprobs": True})).rollout_is is None
     with pytest.raises(ConfigError, match=r"config\.rl\.max_staleness: must be a non-negative integer"):
         validate(_tiny(**{"rl.max_staleness": -1}))
-    with pytest.raises(ConfigError, match=r"config\.weight_sync\.mode: must be 'pause' or 'abort'"):
+    with pytest.raises(ConfigError, match=r"config\.weight_sync\.mode: must be 'pause', 'in_place' or 'abort'"):
         validate(_tiny(**{"rl.max_staleness": 1, "rollout.backend": "sglang", "rollout.local_servers": 2}))
-    validate(_tiny(**{"rl.max_staleness": 1, "rollout.backend": "sglang", "rollout.local_servers": 2,
-                      "weight_sync.mode": "pause"}))
+    for mode in ("pause", "in_place"):
+        validate(_tiny(**{"rl.max_staleness": 1, "rollout.backend": "sglang", "rollout.local_servers": 2,
+                          "weight_sync.mode": mode}))

@@ -272,3 +272,36 @@ def test_two_trainer_processes_sync_parameters_that_span_them(server):
     assert version == "9"
     for name, value in expected.items():
         assert np.array_equal(_bits(got[name]), _bits(value)), name
+
+
+@pytest.mark.slow
+def test_an_in_place_push_lets_a_running_generation_go_on_under_the_new_weights(server, tmp_path):
+    """weight_sync.mode "in_place" against a real serve: a push lands while a long generation runs;
+    the generation is neither aborted nor drained but finishes under the new weights, and
+    `meta_info.weight_versions` (SGLang 0.5.23's spans) gives each token the version that sampled it."""
+    from rstar_jax.train.weight_sync import DiskSync
+
+    prompt = np.random.default_rng(1).integers(1, CONFIG.vocab_size, 8).tolist()
+    long = SamplingParams(max_new_tokens=240, temperature=0.0)
+
+    async def run():
+        async with SGLangGenerator(server.url) as gen:
+            sync = DiskSync([gen], tmp_path / "weights", mode="in_place", dtype="float32")
+            for attempt in range(5):  # a push that lands before the first token or after the last: again
+                version = 20 + 2 * attempt
+                await sync.push(Qwen3(CONFIG, rngs=nnx.Rngs(version)), version)
+                running = asyncio.ensure_future(gen.generate(prompt, long))
+                while (await gen.capacity()).running_requests == 0 and not running.done():
+                    await asyncio.sleep(0.002)
+                await asyncio.sleep(0.02 * (attempt + 1))
+                await sync.push(Qwen3(CONFIG, rngs=nnx.Rngs(version + 1)), version + 1)
+                result = await running
+                if result.token_versions is not None:
+                    return version, result
+            raise AssertionError("no push landed inside a generation in 5 attempts")
+
+    version, result = asyncio.run(run())
+    assert result.finish_reason != "abort" and result.weight_version == version + 1
+    split = result.token_versions.index(version + 1)
+    assert 0 < split < len(result.token_ids)
+    assert result.token_versions == (version,) * split + (version + 1,) * (len(result.token_ids) - split)
