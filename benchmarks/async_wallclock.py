@@ -2,6 +2,7 @@
 
     python benchmarks/async_wallclock.py                          # in-process engine (colocated)
     python benchmarks/async_wallclock.py --servers 1              # one `rstar_jax.serve` beside the trainer
+    python benchmarks/async_wallclock.py --servers 1 --sync-mode pause   # pushes abort and re-prefill
     python benchmarks/async_wallclock.py --steps 8 --k 1,2 --out runs/async_wallclock
 
 One SFT warm-up (the tiny recipe's task, shortened), then the same RL steps from it with
@@ -56,6 +57,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--k", default="1", help="comma-separated max_staleness values beside 0")
     parser.add_argument("--servers", type=int, default=0, help="rstar_jax.serve processes (0: the in-process engine)")
+    parser.add_argument("--sync-mode", default="in_place", choices=("in_place", "pause", "abort"),
+                        help="weight_sync.mode with servers (in_place: running requests go on under the new weights)")
     parser.add_argument("--out", default=str(REPO / "runs" / "async_wallclock"))
     args = parser.parse_args()
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.3")  # the trainer and its servers share a GPU
@@ -67,7 +70,7 @@ def main() -> None:
         print(f"SFT warm-up (and one RL step) {seconds:.0f}s", flush=True)
     servers = ([] if not args.servers else
                ["--config.rollout.backend=sglang", f"--config.rollout.local_servers={args.servers}",
-                "--config.weight_sync.mode=pause"])
+                f"--config.weight_sync.mode={args.sync_mode}"])
     results = {}
     for k in [0, *(int(x) for x in args.k.split(","))]:
         run_dir = out / f"k{k}{'_servers' if args.servers else ''}"

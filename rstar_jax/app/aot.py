@@ -209,8 +209,11 @@ def compile_engine(config, tensor: int) -> list[CompiledStep]:
     rows = min(8, e.slots)  # JaxEngine's prefill batch
     prefill_args = [state, cache, *arrays(((rows, span), jnp.int32), ((rows, prefill_length(e)), jnp.int32),
                                           ((rows,), jnp.int32), ((rows,), jnp.int32)), key, step, *sampling(rows)]
-    decode_args = [state, cache, *arrays(((e.slots, span), jnp.int32), ((e.slots,), jnp.int32),
-                                         ((e.slots,), jnp.int32)), key, step, *sampling(e.slots)]
-    return [_measure(name, jax.jit(functools.partial(kernel, graphdef, False), donate_argnums=(1,)), args, data=cache)
-            for name, kernel, args in ((f"engine prefill (tp {tensor})", prefill_step, prefill_args),
-                                       (f"engine decode (tp {tensor})", decode_step, decode_args))]
+    decode_args = [state, cache, *arrays(((e.slots, span), jnp.int32), ((e.slots,), jnp.int32), ((e.slots,), jnp.int32),
+                                         ((e.slots,), jnp.bool_), ((e.slots,), jnp.int32)), key, step, *sampling(e.slots)]
+    # The RL setting: full-vocabulary sampling, so decode has no top-p / top-k sort.
+    prefill = functools.partial(prefill_step, graphdef, False)
+    decode = functools.partial(decode_step, graphdef, False, False)
+    return [_measure(name, jax.jit(kernel, donate_argnums=(1,)), args, data=cache)
+            for name, kernel, args in ((f"engine prefill (tp {tensor})", prefill, prefill_args),
+                                       (f"engine decode (tp {tensor})", decode, decode_args))]

@@ -52,6 +52,14 @@ changes) and it samples its first token after its last chunk. One request is chu
 it goes before new admissions. A request retracted, aborted or paused mid-prefill is handled as any
 running one (a retracted one starts its prefill over on re-admission).
 
+Overlapped decode (SGLang's overlap scheduler): a decode step is dispatched before the previous
+step's tokens are read back, taking them as its input on the device, so the host's bookkeeping of
+step N (appending tokens, stop checks, the next step's arrays) runs while the device computes step
+N + 1. A request that stopped at step N has had one more token computed, which is discarded; one
+that finishes by length is not dispatched past its budget. Anything that changes a running request
+from outside the engine loop (a pause, a weight swap) first reads back the step in flight, so its
+tokens keep the version that sampled them.
+
 Log-probs match SGLang (see `rstar_jax.engine.sampling`): log-softmax of the temperature-scaled
 logits at the sampled token, before top-p / top-k truncation; `original_logprobs=True` gives the raw
 logits' log-softmax (SGLANG_RETURN_ORIGINAL_LOGPROB). Greedy rows and temperature 1 give the raw
@@ -110,7 +118,7 @@ from rstar_jax.rollout.protocol import (
 )
 from rstar_jax.engine.pages import PagePool
 from rstar_jax.engine.prefix import PrefixCache
-from rstar_jax.engine.sampling import row_keys, sample_tokens
+from rstar_jax.engine.sampling import GREEDY_TEMPERATURE, row_keys, sample_tokens
 
 MAX_STOP_IDS = 8
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -138,15 +146,19 @@ def prefill_step(graphdef, original_logprobs: bool, state, cache: PagedKVCache, 
     return cache, tokens, logprobs
 
 
-def decode_step(graphdef, original_logprobs: bool, state, cache: PagedKVCache, page_table, tokens, positions, key,
-                step, seeds, temperature, top_p, top_k):
+def decode_step(graphdef, original_logprobs: bool, truncation: bool, state, cache: PagedKVCache, page_table, tokens,
+                previous, from_previous, positions, key, step, seeds, temperature, top_p, top_k):
     """The engine's decode kernel: one token for every slot (`key`, `step`: as `prefill_step`'s).
-    Returns (cache, tokens, logprobs)."""
+    A slot's input token is `previous` (the last step's output, still on the device) where
+    `from_previous`, else `tokens` (from the host). `truncation`: whether some slot samples with top-p
+    or top-k, decided on the host (`sample_tokens`). Returns (cache, tokens, logprobs)."""
     key = jax.random.fold_in(key, step)
+    tokens = jnp.where(from_previous, previous, tokens)
     model = nnx.merge(graphdef, state)
     logits, cache = model.forward_with_paged_cache(tokens[:, None], positions[:, None], cache, page_table)
     keys = row_keys(key, seeds, positions + 1)  # the sampled token's absolute position
-    next_tokens, logprobs = sample_tokens(logits[:, 0], keys, temperature, top_p, top_k, original=original_logprobs)
+    next_tokens, logprobs = sample_tokens(logits[:, 0], keys, temperature, top_p, top_k, original=original_logprobs,
+                                          truncation=truncation)
     return cache, next_tokens, logprobs
 
 
@@ -191,6 +203,15 @@ def pool_sharding(mesh: jax.sharding.Mesh, kv_heads: int) -> jax.sharding.NamedS
     spec = jax.sharding.PartitionSpec(None, None, None, "tensor" if tensor > 1 and kv_heads % tensor == 0 else None,
                                       None)
     return jax.sharding.NamedSharding(mesh, spec)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A dispatched decode step not yet read back: its outputs (on the device) and the request each
+    decoded slot held when it was dispatched."""
+    tokens: jax.Array
+    logprobs: jax.Array
+    requests: dict[int, "_Request"]
 
 
 @dataclasses.dataclass
@@ -303,7 +324,7 @@ class _Scheduler:
         s = request.sampling
         if request.tokens[-1] in s.stop_token_ids:
             self._finish(slot, FINISH_STOP)
-        elif len(request.tokens) >= s.max_new_tokens or self._positions[slot] + 1 >= self.max_length:
+        elif len(request.tokens) >= s.max_new_tokens or request.context_length >= self.max_length:
             # The sequence (prompt + output) fills the context: the last token could not be fed back.
             self._finish(slot, FINISH_LENGTH)
 
@@ -521,7 +542,8 @@ class _Scheduler:
 
     def _grow_pages(self) -> None:
         """Gives every decoding request the page its next position needs, retracting when the pool is out."""
-        needy = [i for i in self._decoding() if self._positions[i] // self.page_size >= len(self._slot_pages[i])]
+        needy = [i for i in self._decoding()
+                 if self._may_decode(i) and self._positions[i] // self.page_size >= len(self._slot_pages[i])]
         self._prefixes.evict(len(needy))  # cached prefixes go before any running request
         if len(needy) > len(self._pool.free):
             while len(needy) > len(self._pool.free):
@@ -543,27 +565,60 @@ class _Scheduler:
             self._page_table[i, len(self._slot_pages[i])] = page
             self._slot_pages[i].append(page)
 
+    def _in_flight_request(self, slot: int) -> bool:
+        """Whether the step in flight samples a token for the request running in `slot`."""
+        return self._in_flight is not None and self._in_flight.requests.get(slot) is self._active[slot]
+
     def _decode_step(self) -> None:
+        """Dispatches the next decode step, then reads back the one before it (see the module
+        docstring: the two overlap)."""
         if self._pause_mode is not None or not any(r is not None for r in self._active):
+            self._settle()
             return
         self._grow_pages()
-        active = self._decoding()
-        if not active:  # only a chunked prefill is running (or decoding requests were retracted)
+        active = [i for i in self._decoding() if self._may_decode(i)]
+        if not active:  # only a chunked prefill is running, every request is at its budget, or retracted
+            self._settle()
             return
         seeds, temperature, top_p, top_k = self._sampling_arrays(self.slots, {i: self._active[i] for i in active})
         positions = np.full(self.slots, self._span, np.int32)  # idle slots: writes are dropped
         positions[active] = self._positions[active]
         span = self._span_pages(max(len(self._slot_pages[i]) for i in active))
+        previous = self._in_flight
+        from_previous = np.zeros(self.slots, bool)
+        from_previous[[i for i in active if self._in_flight_request(i)]] = True
         # Copies of the engine's own arrays: a CPU device may read a NumPy argument in place, later.
-        self._cache, tokens, logprobs = self._decode(
-            self._state, self._cache, self._page_table[:, :span].copy(), self._last_token.copy(), positions,
+        truncation = bool(np.any((temperature >= GREEDY_TEMPERATURE) & (top_k != 1)
+                                 & ((top_p < 1.0) | ((top_k > 0) & (top_k < self.vocab_size)))))
+        self._cache, tokens, logprobs = self._decode[truncation](
+            self._state, self._cache, self._page_table[:, :span].copy(), self._last_token.copy(),
+            self._no_tokens if previous is None else previous.tokens, from_previous, positions,
             self._key, self._next_step(), seeds, temperature, top_p, top_k)
-        tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
+        self._in_flight = _InFlight(tokens, logprobs, {i: self._active[i] for i in active})
+        self._positions[active] += 1  # the step writes their KV at the old positions
         self._new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self._new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        for i in active:
-            request = self._active[i]
+        if previous is not None:
+            self._settle(previous)
+
+    def _may_decode(self, slot: int) -> bool:
+        """Whether the request in `slot` still has room for a token beyond the one in flight for it."""
+        request = self._active[slot]
+        pending = int(self._in_flight_request(slot))
+        return (len(request.tokens) + pending < request.sampling.max_new_tokens
+                and request.context_length + pending < self.max_length)
+
+    def _settle(self, step: "_InFlight | None" = None) -> None:
+        """Reads back a dispatched decode step (by default the one in flight) and hands its tokens to
+        the requests that still run in its slots; tokens of slots whose request ended are dropped."""
+        if step is None:
+            step, self._in_flight = self._in_flight, None
+            if step is None:
+                return
+        tokens, logprobs = np.asarray(step.tokens), np.asarray(step.logprobs)
+        for i, request in step.requests.items():
+            if self._active[i] is not request:
+                continue  # finished, aborted or retracted since: its token is not wanted
             self._append(request, int(tokens[i]), float(logprobs[i]))
-            self._positions[i] += 1
             self._last_token[i] = tokens[i]
             self._check_stop(i)
 
@@ -579,13 +634,14 @@ class _Scheduler:
                     busy = False
                 else:
                     busy = (any(r is not None for r in self._active) or bool(self._retracted)
-                            or (bool(self._waiting) and not self._admission_blocks))
+                            or (bool(self._waiting) and not self._admission_blocks) or self._in_flight is not None)
             if not busy:
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
             else:
                 time.sleep(0)  # let a thread waiting on the lock (capacity, pause, updates) take it
         with self._lock:
+            self._settle()
             self._drain_incoming()
             self._abort_in_flight()
             while self._waiting:
@@ -665,6 +721,10 @@ class JaxEngine(_Scheduler):
         self._active: list[_Request | None] = [None] * slots
         self._positions = np.zeros(slots, np.int32)  # next position to write per slot
         self._last_token = np.zeros(slots, np.int32)
+        self._in_flight: _InFlight | None = None  # the decode step dispatched and not yet read back
+        # `previous` for a step that follows none, placed as the decode step's outputs are.
+        self._no_tokens = (jnp.zeros(slots, jnp.int32) if mesh is None else
+                           jax.device_put(np.zeros(slots, np.int32), jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
         self._new_token_ratio = INIT_NEW_TOKEN_RATIO
         self._lock = threading.RLock()  # held for a whole engine step and for weight swaps
         self._wake = threading.Event()
@@ -682,7 +742,8 @@ class JaxEngine(_Scheduler):
         self._score = functools.lru_cache(maxsize=None)(
             lambda top_k: jax.jit(functools.partial(score_step, self._graphdef, top_k)))
         self._prefill = jax.jit(functools.partial(prefill_step, self._graphdef, original_logprobs), donate_argnums=(1,))
-        self._decode = jax.jit(functools.partial(decode_step, self._graphdef, original_logprobs), donate_argnums=(1,))
+        self._decode = {truncation: jax.jit(functools.partial(decode_step, self._graphdef, original_logprobs, truncation),
+                                            donate_argnums=(1,)) for truncation in (False, True)}
         self.steps = 0
         self.retractions = 0  # requests retracted so far (all of them)
         self._thread.start()
@@ -805,6 +866,7 @@ class JaxEngine(_Scheduler):
                         self._abort_in_flight()
                     drained = all(r is None for r in self._active) and not self._retracted
                     if drained or in_place or self._pause_mode is not None:
+                        self._settle()  # tokens of the step in flight are the old weights'
                         self._drop_prefixes()  # their KV came from the old weights
                         self._state = new_state
                         self._version = self._version + 1 if version is None else int(version)
@@ -824,6 +886,7 @@ class JaxEngine(_Scheduler):
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause: mode must be one of {PAUSE_MODES}, got {mode!r}")
         with self._lock:
+            self._settle()  # the step in flight delivers its tokens first
             self._drain_incoming()
             self._pause_mode = mode
             running = [slot for slot, r in enumerate(self._active) if r is not None]

@@ -39,11 +39,16 @@ def row_keys(step_key: jax.Array, seeds: jax.Array, positions: jax.Array) -> jax
 
 
 def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array,
-                  top_k: jax.Array, *, original: bool = False) -> tuple[jax.Array, jax.Array]:
+                  top_k: jax.Array, *, original: bool = False,
+                  truncation: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Samples one token per row of logits [B, V]; temperature, top_p, top_k are [B] arrays.
 
     key: one key for the whole batch, or a [B] array of keys (one per row: a row's draw then depends
     only on its own key, not on which other requests share the batch).
+    truncation: whether some row truncates (top-p / top-k), when the caller knows (`truncates` below,
+    from the host's settings). None decides on the device with a conditional, which on a GPU reads
+    the predicate back to the host: the host then waits for everything before it, so a caller that
+    overlaps its steps passes the answer instead. False with a row that truncates samples it wrongly.
     Returns (token ids [B] int32, log-probs [B] float32) as described in the module docstring.
     """
     logits = logits.astype(jnp.float32)
@@ -71,7 +76,10 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array, top
     # The O(V log V) sort only runs when a row needs it (top-p / top-k); at the RL setting (top_p 1,
     # top_k off) every row samples its scaled logits directly.
     direct = categorical(key, scaled)
-    sampled = jax.lax.cond(truncates.any(), truncated_draws, lambda _: direct, None)
+    if truncation is None:
+        sampled = jax.lax.cond(truncates.any(), truncated_draws, lambda _: direct, None)
+    else:
+        sampled = truncated_draws(None) if truncation else direct
     sampled = jnp.where(truncates, sampled, direct)
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1), sampled).astype(jnp.int32)
     reference = logits if original else scaled

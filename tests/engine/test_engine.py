@@ -293,6 +293,22 @@ def test_a_rows_draw_does_not_depend_on_whether_its_batch_sorts():
     assert set(mixed[:, 1].tolist()) <= set(nucleus.tolist())
 
 
+def test_truncation_decided_on_the_host_draws_what_the_device_conditional_draws():
+    """The engine's decode tells the sampler whether a row truncates (no device conditional, whose
+    predicate a GPU reads back to the host): same tokens and log-probs as deciding on the device,
+    for a batch that sorts (top-p, top-k) and one that does not."""
+    logits = jax.random.normal(jax.random.key(5), (3, 40)) * 3
+    keys = jax.random.split(jax.random.key(6), 3)
+    temperature = jnp.asarray([1.0, 0.7, 0.0])
+    for top_p, top_k, truncation in (([1.0, 0.5, 1.0], [-1, -1, -1], True), ([1.0, 1.0, 1.0], [-1, 5, 1], True),
+                                     ([1.0, 1.0, 0.2], [-1, 0, 3], False)):  # row 2 is greedy: it never truncates
+        args = (logits, keys, temperature, jnp.asarray(top_p), jnp.asarray(top_k))
+        on_device = jax.jit(lambda *a: sample_tokens(*a))(*args)
+        on_host = jax.jit(lambda *a, t=truncation: sample_tokens(*a, truncation=t))(*args)
+        for device_side, host_side in zip(on_device, on_host):
+            np.testing.assert_array_equal(np.asarray(device_side), np.asarray(host_side))
+
+
 def _wait_for_tokens(eng, rid, n=1):
     """Polls until request `rid` is running and has at least n tokens."""
     async def wait():
@@ -647,8 +663,10 @@ def test_in_place_update_swaps_between_steps_and_tokens_keep_their_versions(mode
                 with eng._lock:  # between two engine steps
                     running = [r for r in eng._active if r is not None]
                     if running:
-                        produced = len(running[0].tokens)
                         assert eng.update_weights(model, in_place=True, version=7) == 7
+                        # Read after the swap: it first delivers the token of the step in flight,
+                        # which the old weights sampled.
+                        produced = len(running[0].tokens)
                 result = await task
                 if running:
                     return result, produced
