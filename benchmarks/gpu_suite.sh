@@ -16,6 +16,9 @@
 #   bash benchmarks/gpu_suite.sh --async     # instead: asynchronous RL's wall-clock beside the synchronous
 #                                            # loop's on the device (benchmarks/async_wallclock.py: the tiny
 #                                            # recipe, in-process engine, then one serve process beside it)
+#   bash benchmarks/gpu_suite.sh --decode    # instead: decode alone, this tree and, when .baseline/ holds
+#                                            # another (`--prepare --baseline REV` puts `git archive REV`
+#                                            # there; carry it beside .whl), that one in the same call
 #   bash benchmarks/gpu_suite.sh --smoke     # CPU-sized shapes, to check the suite itself anywhere
 #
 # Each part has its own time limit inside an overall deadline (GPU_SUITE_SECONDS, default 570 s),
@@ -33,6 +36,11 @@ WHEELS=(grain==0.2.18 array-record==0.8.6 ml-collections==1.1.0 math-verify==0.9
 
 if [[ "${1:-}" == "--prepare" ]]; then
     set -e
+    if [[ "${2:-}" == "--baseline" ]]; then
+        rm -rf .baseline && mkdir -p .baseline
+        git archive "${3:?--baseline takes a revision}" | tar -x -C .baseline
+        echo "baseline tree: $(git rev-parse --short "$3") in .baseline/"
+    fi
     rm -rf .whl && mkdir -p .whl
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
@@ -42,14 +50,15 @@ if [[ "${1:-}" == "--prepare" ]]; then
     exit 0
 fi
 
-SMOKE=0 PROFILE=0 SWEEP=0 ASYNC=0
+SMOKE=0 PROFILE=0 SWEEP=0 ASYNC=0 DECODE_ONLY=0
 for arg in "$@"; do
     case "$arg" in
         --smoke) SMOKE=1 ;;
         --profile) PROFILE=1 ;;
         --sweep) SWEEP=1 ;;
         --async) ASYNC=1 ;;
-        *) echo "gpu_suite.sh: unknown argument $arg (--prepare, --smoke, --profile, --sweep, --async)" >&2; exit 2 ;;
+        --decode) DECODE_ONLY=1 ;;
+        *) echo "gpu_suite.sh: unknown argument $arg (--prepare, --smoke, --profile, --sweep, --async, --decode)" >&2; exit 2 ;;
     esac
 done
 
@@ -102,6 +111,23 @@ if (( ASYNC )); then
     part "async servers" 240 "$PY" benchmarks/async_wallclock.py --steps "$ASYNC_STEPS" --servers 1 --out /tmp/gpu_suite_async
     cp /tmp/gpu_suite_async/async_wallclock*.json "$OUT/" 2>/dev/null
     echo; grep -E "^(=== async|K=|async_vs_sync_wall)" "$OUT/gpu_suite.log"
+    if (( ${#FAILED[@]} )); then echo "gpu_suite: FAILED parts: ${FAILED[*]}"; exit 1; fi
+    exit 0
+fi
+
+if (( DECODE_ONLY )); then
+    part environment 30 bash -c "nvidia-smi -L 2>/dev/null || echo 'no nvidia-smi'"
+    # Both trees measured by this tree's benchmark (same admission, compilations counted), each
+    # importing its own package (the script puts its tree first on the path); alternately, so that
+    # a drifting host (decode is host-bound there) weighs on both alike.
+    [[ -d .baseline ]] && cp benchmarks/decode_throughput.py benchmarks/ceilings.py .baseline/benchmarks/
+    for round in 1 2; do
+        part "decode, this tree ($round)" 150 "$PY" benchmarks/decode_throughput.py "${DECODE[@]}" --no-hf
+        if [[ -d .baseline ]]; then
+            part "decode, .baseline ($round)" 150 "$PY" .baseline/benchmarks/decode_throughput.py "${DECODE[@]}" --no-hf
+        fi
+    done
+    echo; grep -E "^(=== decode|JaxEngine:|roofline:)" "$OUT/gpu_suite.log"
     if (( ${#FAILED[@]} )); then echo "gpu_suite: FAILED parts: ${FAILED[*]}"; exit 1; fi
     exit 0
 fi
