@@ -118,7 +118,7 @@ from rstar_jax.rollout.protocol import (
 )
 from rstar_jax.engine.pages import PagePool
 from rstar_jax.engine.prefix import PrefixCache
-from rstar_jax.engine.sampling import GREEDY_TEMPERATURE, row_keys, sample_tokens
+from rstar_jax.engine.sampling import row_keys, sample_tokens, truncating_rows
 
 MAX_STOP_IDS = 8
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -588,8 +588,7 @@ class _Scheduler:
         from_previous = np.zeros(self.slots, bool)
         from_previous[[i for i in active if self._in_flight_request(i)]] = True
         # Copies of the engine's own arrays: a CPU device may read a NumPy argument in place, later.
-        truncation = bool(np.any((temperature >= GREEDY_TEMPERATURE) & (top_k != 1)
-                                 & ((top_p < 1.0) | ((top_k > 0) & (top_k < self.vocab_size)))))
+        truncation = bool(np.any(truncating_rows(temperature, top_p, top_k, self.vocab_size)))
         self._cache, tokens, logprobs = self._decode[truncation](
             self._state, self._cache, self._page_table[:, :span].copy(), self._last_token.copy(),
             self._no_tokens if previous is None else previous.tokens, from_previous, positions,

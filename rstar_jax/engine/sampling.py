@@ -38,6 +38,17 @@ def row_keys(step_key: jax.Array, seeds: jax.Array, positions: jax.Array) -> jax
     return jax.vmap(one)(rows, seeds, positions)
 
 
+def greedy_rows(temperature, top_k):
+    """Rows that take the argmax (NumPy or JAX arrays alike)."""
+    return (temperature < GREEDY_TEMPERATURE) | (top_k == 1)
+
+
+def truncating_rows(temperature, top_p, top_k, vocab: int):
+    """Rows that sample from a top-p / top-k truncation of the vocabulary (NumPy or JAX arrays
+    alike: the engine's host decides `sample_tokens`'s `truncation` with the same rule)."""
+    return ~greedy_rows(temperature, top_k) & ((top_p < 1.0) | ((top_k > 0) & (top_k < vocab)))
+
+
 def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array, top_p: jax.Array,
                   top_k: jax.Array, *, original: bool = False,
                   truncation: bool | None = None) -> tuple[jax.Array, jax.Array]:
@@ -53,9 +64,9 @@ def sample_tokens(logits: jax.Array, key: jax.Array, temperature: jax.Array, top
     """
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
-    greedy = (temperature < GREEDY_TEMPERATURE) | (top_k == 1)
+    greedy = greedy_rows(temperature, top_k)
     scaled = logits / jnp.where(greedy, 1.0, temperature)[:, None]
-    truncates = ~greedy & ((top_p < 1.0) | ((top_k > 0) & (top_k < vocab)))
+    truncates = truncating_rows(temperature, top_p, top_k, vocab)
 
     def categorical(keys, rows):
         if keys.ndim == 1:
