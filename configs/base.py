@@ -200,8 +200,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.rl.micro_batch_tokens = 10240
     c.rl.use_sampler_logprobs = False  # False: recompute old log-probs with the trainer, as verl does
     # Asynchronous RL with bounded staleness. 0: synchronous, as the paper (a step generates, then
-    # trains, then pushes). K >= 1: the rollouts of step s start once step s - K - 1 is trained, so
-    # generation of the next K steps overlaps the update and the long tail; weights are pushed while
+    # trains, then pushes). K >= 1: generation runs up to K steps' worth of groups ahead and each
+    # update takes the first complete groups (group streaming), so generation overlaps the update
+    # and no update waits for the long tail unless a group would become too stale; weights are pushed while
     # rollouts run (the in-process engine swaps between two decode steps; servers need
     # weight_sync.mode "pause", "in_place" or "abort"); every trained token is at most K updates old; and the
     # rollout correction is on (rl.rollout_is defaults to "token" when not set).

@@ -109,6 +109,9 @@ class RLStart:
     step: int
     step_offset: int
     prompts: PromptIterator
+    # The checkpoint's data state when resuming this stage: under rl.max_staleness >= 1 it also says
+    # which batch generation resumes from and which of its groups were already taken.
+    resumed_state: dict = dataclasses.field(default_factory=dict)
 
     def data_state(self) -> dict:
         return {**self.prompts.get_state(), "step_offset": self.step_offset}
@@ -130,7 +133,7 @@ def _restore(config, model, optimizer, tokenizer: Tokenizer, train_files, metric
             prompts.set_state(restored.data_state)
         metrics.discard_after(restored.step, where=is_rl_line)
         print(f"[rl] resumed from step {restored.step}", flush=True)
-        return RLStart(restored.step, int(state.get("step_offset", 0)), prompts)
+        return RLStart(restored.step, int(state.get("step_offset", 0)), prompts, resumed_state=state)
     prompts, _ = builders.prompt_iterator(config, train_files, tokenizer)
     metrics.discard_after(-1, where=is_rl_line)  # RL starts afresh: lines of a run killed before its first save
     if not config.train.init_from:
@@ -160,8 +163,11 @@ def run_rl(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempla
     optimizer = make_optimizer(model, optimizer_config)
     begin = _restore(config, model, optimizer, tokenizer, train_files, metrics, checkpointer)
     if config.rl.max_staleness >= 1:
-        # Read ahead by the producer; checkpoints record the first step not yet trained.
-        begin = dataclasses.replace(begin, prompts=PromptLookahead(begin.prompts))
+        # Read ahead by the producer; checkpoints record the oldest batch with a group not yet taken
+        # (checkpoints from before group streaming: the batch of the first step not trained).
+        position = begin.resumed_state
+        begin = dataclasses.replace(begin, prompts=PromptLookahead(
+            begin.prompts, batch=int(position.get("batch", begin.step)), taken=position.get("taken", ())))
     start, prompts = begin.step, begin.prompts
     settings = resolve.rl_settings(config, builders.data_parallel(mesh))
     if settings.max_staleness >= 1:

@@ -46,9 +46,15 @@ class Orchestrator:
             finally:
                 self.in_flight -= 1
 
-    async def groups(self, prompts: Sequence[tuple[str, str]], samples_per_prompt: int,
-                     first_group_id: int = 0) -> AsyncIterator[list[Trajectory]]:
+    def groups(self, prompts: Sequence[tuple[str, str]], samples_per_prompt: int,
+               first_group_id: int = 0) -> AsyncIterator[list[Trajectory]]:
         """Yields each prompt's trajectories (ordered by sample index) as soon as all have finished."""
+        numbered = [(first_group_id + k, q, a) for k, (q, a) in enumerate(prompts)]
+        return self.numbered_groups(numbered, samples_per_prompt)
+
+    async def numbered_groups(self, prompts: Sequence[tuple[int, str, str]],
+                              samples_per_prompt: int) -> AsyncIterator[list[Trajectory]]:
+        """`groups` of (group_id, question, gold) triples, whatever their ids."""
 
         async def group(gid, question, gold):
             tasks = [asyncio.ensure_future(self._one(question, gold, gid, i)) for i in range(samples_per_prompt)]
@@ -60,7 +66,7 @@ class Orchestrator:
                 await asyncio.gather(*tasks, return_exceptions=True)
                 raise
 
-        pending = {asyncio.ensure_future(group(first_group_id + k, q, a)) for k, (q, a) in enumerate(prompts)}
+        pending = {asyncio.ensure_future(group(gid, q, a)) for gid, q, a in prompts}
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)

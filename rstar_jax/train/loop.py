@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import contextlib
 import dataclasses
 import pathlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import jax
@@ -139,56 +140,134 @@ class RLLoop:
                              skipped=step_metrics.get("update/skipped", 0))
 
     async def _run_pipelined(self, start: int) -> None:
-        """Asynchronous RL, K = max_staleness >= 1: a producer starts step s's rollouts as soon as step
-        s - K - 1 is trained (admission control: a step's tokens are then sampled by a policy at most
-        K updates behind the one its update trains), while the trainer takes each step's groups in
-        order as they complete, updates off the event loop and pushes the weights in flight.
+        """Asynchronous RL, K = max_staleness >= 1, with group streaming (AReaL's and verl's
+        fully-asynchronous trainers): generation runs ahead in batches of the run's prompts per step,
+        each group of 2G reaches the trainer as soon as its last trajectory finishes, and each update
+        takes a step's worth of complete groups, whichever batch they came from: first every group
+        that would be too stale for the next update (it waits for those: they are trained now or
+        never), then the oldest complete ones. So an update waits for a long tail only when the
+        bound requires it, and a group is dropped only when more groups fall due at once than a
+        step holds.
 
-        The prompts come from a `PromptLookahead`, whose state is the data position of the first
-        step not yet trained: a checkpoint taken after step s resumes with steps s + 1 .. s + K
-        generated again, from the same prompts with the same group ids (so the same sampling seeds),
-        by the restored policy.
+        Admission control: a new batch starts only while the groups started and not yet taken by the
+        trainer stay under (K + 1) batches (AReaL's rule: at most (version + K + 1) x B groups
+        started), and under what the remaining steps need. A group taken with a token more than K
+        updates behind is dropped whole, and counted. RoC sees whole groups of 2G, as always.
 
-        Under several processes each generates its share of a step's groups with no collective;
-        the trainer's sequence alone (gather the step's shares, update, push, evaluate, save) holds
-        the collectives, in the same order on every process whatever the generation's timing."""
+        The prompts come from a `PromptLookahead`: its state is the position of the oldest batch
+        with a group not yet taken, plus the groups of it and of later batches already taken. A
+        checkpoint after step s resumes by generating the groups not yet taken again, with the same
+        group ids (so the same sampling seeds), under the restored policy.
+
+        Under several processes each generates its share of every batch with no collective, and each
+        update takes every process's share of a batch's size (its first complete groups); the
+        trainer's sequence alone (gather the shares, update, push, evaluate, save) holds the
+        collectives, in the same order on every process whatever the generation's timing."""
         k = self.max_staleness
         lookahead = self.prompts
         if not isinstance(lookahead, PromptLookahead):
             raise TypeError("RLLoop: max_staleness >= 1 takes its prompts as a PromptLookahead")
-        trained = asyncio.Condition()
-        done = {"steps": start}  # steps trained (or skipped) so far
-        generations: dict[int, asyncio.Future] = {s: asyncio.get_running_loop().create_future()
-                                                  for s in range(start, self.steps)}
+        changed = asyncio.Condition()  # groups ready, a batch failed, or a step trained
+        state = {"done": start, "outstanding": 0, "per_step": None, "failure": None}
+        ready: dict[int, tuple[list, float, float]] = {}  # group id -> (group, admitted, finished)
+        in_flight: set[int] = set()
+        admitted_at: dict[int, int] = {}  # group id -> the updates held when it was admitted (len(held))
         waits = {"generator": 0.0}
         rollouts = _Activity()
         # The versions the generators have held (a skipped step pushes none, and a version is the
         # step of its update): staleness counts the updates between a token's version and the trained one.
         held = [self.trainer.weights_version]
+        batches: set[asyncio.Task] = set()
+
+        def may_admit() -> bool:
+            per_step = state["per_step"]
+            if state["done"] >= self.steps:
+                return False
+            if per_step is None:  # the first batch tells this process's share of a step
+                return True
+            return state["outstanding"] < min(k + 1, self.steps - state["done"]) * per_step
+
+        async def generate(batch: int, prompts: list, skip: frozenset) -> None:
+            admitted = time.perf_counter()
+            groups = self.trainer.generate_groups(prompts, step=self.step_offset + batch, skip=skip)
+            async with contextlib.aclosing(groups):
+                async for group in groups:
+                    gid = group[0].group_id
+                    async with changed:
+                        in_flight.discard(gid)
+                        ready[gid] = (group, admitted, time.perf_counter())
+                        changed.notify_all()
+
+        async def fail(task: asyncio.Task) -> None:
+            async with changed:
+                state["failure"] = task.exception()
+                changed.notify_all()
+
+        def batch_done(task: asyncio.Task) -> None:
+            batches.discard(task)
+            rollouts.end()
+            if not task.cancelled() and task.exception() is not None:
+                asyncio.ensure_future(fail(task))
 
         async def produce() -> None:
-            for step in range(start, self.steps):
+            while True:
                 t0 = time.perf_counter()
-                async with trained:
-                    await trained.wait_for(lambda: done["steps"] >= step - k)
+                async with changed:
+                    await changed.wait_for(may_admit)
                 waits["generator"] += time.perf_counter() - t0
-                prompts = [(ex.question, ex.answer) for ex in lookahead.pull()]
+                batch, examples, skip = lookahead.pull()
+                prompts = [(ex.question, ex.answer) for ex in examples]
+                step_id = self.step_offset + batch
+                own = self.trainer.own_group_ids(prompts, step=step_id)
+                if state["per_step"] is None:
+                    state["per_step"] = len(own)
+                skip_ids = frozenset(step_id * len(prompts) + i for i in skip)
+                todo = [gid for gid in own if gid not in skip_ids]
+                state["outstanding"] += len(todo)
+                in_flight.update(todo)
+                admitted_at.update({gid: len(held) for gid in todo})
                 rollouts.begin()
-                task = asyncio.ensure_future(self.trainer.generate(prompts, step=self.step_offset + step,
-                                                                   own_share=True))
-                task.add_done_callback(lambda t, s=step: (rollouts.end(), _settle(generations[s], t)))
+                task = asyncio.ensure_future(generate(batch, prompts, skip_ids))
+                batches.add(task)
+                task.add_done_callback(batch_done)
+
+        def due() -> list[int]:
+            """The groups (complete or not) a step's worth of which the next update must take: those
+            admitted K updates ago or earlier, whose tokens would be too stale for the update after."""
+            return sorted(gid for gid in (*ready, *in_flight) if len(held) - admitted_at[gid] >= k)[:state["per_step"]]
+
+        def batch_ready() -> bool:
+            if state["per_step"] is None or len(ready) < state["per_step"]:
+                return False
+            return all(gid in ready for gid in due())
+
+        def take(count: int) -> tuple[list, list[int], float, int]:
+            """`count` complete groups, those due first, then the oldest: their trajectories, group
+            ids, the seconds from the first one's admission to the last one's end, and how many of
+            them overtook an older group still being generated."""
+            first = due()
+            gids = sorted(first + [gid for gid in sorted(ready) if gid not in first][:count - len(first)])
+            taken = [ready.pop(gid) for gid in gids]
+            for gid in gids:
+                admitted_at.pop(gid)
+            rollout_s = max(f for _, _, f in taken) - min(a for _, a, _ in taken) if taken else 0.0
+            overtook = sum(1 for gid in gids if in_flight and gid > min(in_flight))
+            return [t for group, _, _ in taken for t in group], gids, rollout_s, overtook
 
         producer = asyncio.ensure_future(produce())
         window_start, busy_before = time.perf_counter(), 0.0  # each step's window ends at its metrics
         try:
             for step in range(start, self.steps):
                 t0 = time.perf_counter()
-                waiter = generations[step]
-                await asyncio.wait({waiter, producer}, return_when=asyncio.FIRST_COMPLETED)
-                if producer.done() and producer.exception() is not None:
-                    raise producer.exception()
-                own, rollout_s = await waiter
-                trajectories = self.trainer.gather_shares(own)
+                async with changed:
+                    await changed.wait_for(lambda: state["failure"] is not None or producer.done() or batch_ready())
+                    if producer.done():
+                        producer.result()  # its error
+                    if state["failure"] is not None:
+                        raise state["failure"]
+                    own, own_ids, rollout_s, overtook = take(state["per_step"])
+                # Every process's groups, on every process, in one order whatever the timing.
+                trajectories = sorted(self.trainer.gather_shares(own), key=lambda t: (t.group_id, t.sample_index))
                 trainer_wait = time.perf_counter() - t0
                 global_step = self.step_offset + step
                 version = self.trainer.weights_version  # the policy this step's update trains
@@ -206,22 +285,26 @@ class RLLoop:
                 step_metrics.update({"async/trainer_wait_s": trainer_wait,
                                      "async/generator_wait_s": waits["generator"],
                                      "async/trainer_busy": (now - t1) / window,
-                                     "async/generator_busy": (busy - busy_before) / window,
+                                     "async/generator_busy": min(1.0, (busy - busy_before) / window),
+                                     "async/groups_overtaking": overtook,
                                      "time/step_s": window})
                 window_start, busy_before = now, busy
                 waits["generator"] = 0.0
-                lookahead.trained()
-                async with trained:
-                    done["steps"] = step + 1
-                    trained.notify_all()
+                lookahead.taken(sorted({t.group_id for t in trajectories}), step_offset=self.step_offset)
+                async with changed:
+                    # Taken groups leave the admission count with their update, not before: at most
+                    # (updates + K + 1) steps' worth of groups are ever started.
+                    state["done"], state["outstanding"] = step + 1, state["outstanding"] - len(own_ids)
+                    if step + 1 == self.steps:  # started, never taken: counted, not lost silently
+                        step_metrics["async/groups_left_untaken"] = state["outstanding"]
+                    changed.notify_all()
                 await self._end_step(step, step_metrics, kept, version)  # records: what was trained
         finally:
             producer.cancel()
-            for future in generations.values():
-                if not future.done():
-                    future.cancel()
-            # Rollouts of steps not trained end with the run; let their tasks see the cancellation.
-            await asyncio.gather(producer, return_exceptions=True)
+            for task in list(batches):
+                task.cancel()
+            # Rollouts of groups not taken end with the run; let their tasks see the cancellation.
+            await asyncio.gather(producer, *batches, return_exceptions=True)
 
 
 class _Activity:
@@ -242,17 +325,6 @@ class _Activity:
 
     def total(self) -> float:
         return self.busy + (time.perf_counter() - self.since if self.inflight else 0.0)
-
-
-def _settle(future: asyncio.Future, task: asyncio.Task) -> None:
-    if future.done():
-        return
-    if task.cancelled():
-        future.cancel()
-    elif task.exception() is not None:
-        future.set_exception(task.exception())
-    else:
-        future.set_result(task.result())
 
 
 def drop_stale_groups(trajectories: list, held: list[int], max_staleness: int) -> tuple[list, dict]:
@@ -285,27 +357,58 @@ def drop_stale_groups(trajectories: list, held: list[int], max_staleness: int) -
 
 
 class PromptLookahead:
-    """A `PromptIterator` read ahead by an asynchronous run: `pull()` takes the next step's prompts,
-    `trained()` marks the oldest pulled step trained, and `get_state()` is the data position of the
-    first step not yet trained (what a checkpoint must resume from)."""
+    """A `PromptIterator` read ahead in batches by an asynchronous run: `pull()` takes the next batch
+    (its index, its examples and the indices of its groups already taken before a resume), `taken()`
+    marks groups taken by the trainer, and `get_state()` is what a checkpoint must resume from: the
+    data position of the oldest batch with a group not yet taken, that batch's index, and the groups
+    of it and of later batches already taken."""
 
-    def __init__(self, prompts: PromptIterator):
+    def __init__(self, prompts: PromptIterator, *, batch: int = 0, taken: Sequence[Sequence[int]] = ()):
         self.prompts = prompts
-        self._pending: collections.deque = collections.deque()  # the state before each pulled step
+        self._next = batch  # the index of the batch `pull()` returns next
+        self._before_taken = {(int(b), int(i)) for b, i in taken}  # (batch, group index) taken before a resume
+        # Pulled batches not wholly taken, oldest first: [index, data state before it, size, taken indices].
+        self._pending: collections.deque = collections.deque()
 
-    def pull(self):
-        self._pending.append(self.prompts.get_state())
-        return next(self.prompts)
+    def pull(self) -> tuple[int, list, frozenset[int]]:
+        state = self.prompts.get_state()
+        examples = next(self.prompts)
+        batch, self._next = self._next, self._next + 1
+        done = {i for b, i in self._before_taken if b == batch}
+        self._before_taken -= {(batch, i) for i in done}
+        self._pending.append([batch, state, len(examples), set(done)])
+        self._pop_finished()
+        return batch, examples, frozenset(done)
 
-    def trained(self) -> None:
-        self._pending.popleft()
+    def taken(self, group_ids: Sequence[int], *, step_offset: int = 0) -> None:
+        """Marks the groups `group_ids` taken (trained or dropped); a batch's group ids are
+        (step_offset + batch) x its size + the group's index, as the trainer numbers them."""
+        by_batch = {entry[0]: entry for entry in self._pending}
+        for gid in group_ids:
+            for entry in by_batch.values():
+                first = (step_offset + entry[0]) * entry[2]
+                if first <= gid < first + entry[2]:
+                    entry[3].add(gid - first)
+                    break
+        self._pop_finished()
+
+    def _pop_finished(self) -> None:
+        while self._pending and len(self._pending[0][3]) == self._pending[0][2]:
+            self._pending.popleft()
 
     def get_state(self) -> dict:
-        return self._pending[0] if self._pending else self.prompts.get_state()
+        if not self._pending:
+            return {**self.prompts.get_state(), "batch": self._next,
+                    "taken": sorted([b, i] for b, i in self._before_taken)}
+        batch, state, _, _ = self._pending[0]
+        taken = {(entry[0], i) for entry in self._pending for i in entry[3]} | self._before_taken
+        return {**state, "batch": batch, "taken": sorted([b, i] for b, i in taken)}
 
     def set_state(self, state: dict, **kw) -> None:
         self._pending.clear()
         self.prompts.set_state(state, **kw)
+        self._next = int(state.get("batch", self._next))
+        self._before_taken = {(int(b), int(i)) for b, i in state.get("taken", ())}
 
     def __next__(self):
         return next(self.prompts)

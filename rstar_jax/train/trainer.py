@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from typing import Any, AsyncIterator
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +162,23 @@ class RLTrainer:
         else:
             trajectories = await self.rollout_shared(prompts, first_group_id=first_group_id)
         return trajectories, time.perf_counter() - t0
+
+    def own_group_ids(self, prompts: list[tuple[str, str]], *, step: int) -> list[int]:
+        """The group ids of this process's share of step `step`'s groups (`generate`'s numbering)."""
+        first_group_id = step * len(prompts)
+        mine = multihost.share(len(prompts)) if jax.process_count() > 1 else slice(0, len(prompts))
+        return list(range(first_group_id + mine.start, first_group_id + mine.stop))
+
+    def generate_groups(self, prompts: list[tuple[str, str]], *, step: int,
+                        skip: frozenset[int] = frozenset()) -> AsyncIterator[list[Trajectory]]:
+        """This process's share of step `step`'s groups, numbered as `generate` numbers them, each
+        yielded as soon as its 2G trajectories finish (asynchronous RL's group streaming); groups
+        whose ids are in `skip` are not generated. Close it (`contextlib.aclosing`) to cancel the rest."""
+        first_group_id = step * len(prompts)
+        numbered = [(gid, *prompts[gid - first_group_id]) for gid in self.own_group_ids(prompts, step=step)
+                    if gid not in skip]
+        orchestrator = Orchestrator(self._run_one, max_concurrency=self.settings.max_concurrency)
+        return orchestrator.numbered_groups(numbered, self.settings.rollouts_per_prompt)
 
     async def finish(self, trajectories: list[Trajectory], *, step: int, rollout_s: float,
                      in_thread: bool = False, train_on: list[Trajectory] | None = None) -> dict:

@@ -177,13 +177,15 @@ def test_two_process_asynchronous_run_bounds_staleness(tiny_run_dir, tmp_path):
     assert _wait(_launch(run, args, processes=2), 900) == [0, 0], (tmp_path / "async.0.log").read_text()[-3000:]
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines if "rollout/reward_mean" in r] == [1, 2]
-    lags = []
+    lags, trained = [], []
     for step in (1, 2):
         records = _records(run, step)
+        trained.append({r["group_id"] for r in records})
         dropped = next(r for r in lines if r["step"] == step)["async/stale_groups_dropped"]
         assert len(records) == 8 * (4 - dropped)
         # Versions held: 0, then 1 if step 1 updated; the lag counts the updates in between.
         lags += [int(r["trained_version"] > v) for r in records for v, _ in r["policy_version_runs"] if v >= 0]
     assert 0 <= min(lags) and max(lags) <= 1
+    assert not trained[0] & trained[1]  # each update takes groups no other update took
     if lines[0]["update/skipped"] == 0:  # step 2 was generated beside step 1, which then updated
         assert max(lags) == 1

@@ -60,24 +60,36 @@ class _Batches:
 
 class _ScriptedTrainer:
     """Rollouts sample tokens over simulated time, each labelled with the version the generators hold
-    at that moment (what the engine's in-place swap records); an update takes time, then pushes."""
+    at that moment (what the engine's in-place swap records); an update takes time, then pushes.
+    `rollout_s(step)` is a batch's duration, or `group_s(step, index)` each group's."""
 
-    def __init__(self, rollout_s, update_s, fail_at=None, skip=()):
+    def __init__(self, rollout_s, update_s, fail_at=None, skip=(), group_s=None):
         self.rollout_s, self.update_s, self.fail_at, self.skip = rollout_s, update_s, fail_at, set(skip)
+        self.group_s = group_s or (lambda step, index: rollout_s(step))
         self.weights_version = 0
         self.events: list[tuple] = []
         self.trained_versions: dict[int, list[int]] = {}
+        self.trained_groups: dict[int, list[int]] = {}
+        self.generated: list[int] = []  # group ids, in the order their generation started
         self.steps_done = 0
 
     @staticmethod
     def gather_shares(own):  # one process
         return own
 
-    async def generate(self, prompts, *, step, own_share=False):
-        self.events.append(("start", step, self.steps_done))
-        trajectories = [_trajectory(step * len(prompts) + g, []) for g in range(len(prompts)) for _ in range(2)]
-        for _ in range(4):  # tokens sampled in four bursts over the rollout's duration
-            await asyncio.sleep(self.rollout_s(step) / 4)
+    @staticmethod
+    def own_group_ids(prompts, *, step):
+        return [step * len(prompts) + g for g in range(len(prompts))]
+
+    async def generate(self, prompts, *, step, own_share=False):  # the synchronous step's
+        groups = await asyncio.gather(*(self._group(step, g, step * len(prompts) + g) for g in range(len(prompts))))
+        return [t for group in groups for t in group], self.rollout_s(step)
+
+    async def _group(self, step, index, gid):
+        self.generated.append(gid)
+        trajectories = [_trajectory(gid, []) for _ in range(2)]
+        for _ in range(4):  # tokens sampled in four bursts over the group's duration
+            await asyncio.sleep(self.group_s(step, index) / 4)
             if step == self.fail_at:
                 raise RuntimeError("generator lost")
             for t in trajectories:
@@ -85,12 +97,25 @@ class _ScriptedTrainer:
                 t.loss_mask.append(1)
                 t.response_ids.append(5)
                 t.sampler_logprobs.append(0.0)
-        return trajectories, self.rollout_s(step)
+        return trajectories
+
+    async def generate_groups(self, prompts, *, step, skip=frozenset()):
+        self.events.append(("start", step, self.steps_done))
+        tasks = [asyncio.ensure_future(self._group(step, g, gid))
+                 for g, gid in enumerate(self.own_group_ids(prompts, step=step)) if gid not in skip]
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                yield await next_done
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def finish(self, trajectories, *, step, rollout_s, in_thread=False, train_on=None):
         train_on = trajectories if train_on is None else train_on
         self.events.append(("train", step, self.weights_version))
         self.trained_versions[step] = sorted({v for t in train_on for v in t.policy_versions})
+        self.trained_groups[step] = sorted({t.group_id for t in train_on})
         self.dropped = getattr(self, "dropped", 0) + len(trajectories) - len(train_on)
         await asyncio.sleep(self.update_s)
         self.steps_done += 1
@@ -101,6 +126,7 @@ class _ScriptedTrainer:
 
 
     async def astep(self, prompts, *, step):  # as RLTrainer.astep: the synchronous step
+        self.events.append(("start", step, self.steps_done))
         trajectories, rollout_s = await self.generate(prompts, step=step)
         return await self.finish(trajectories, step=step, rollout_s=rollout_s), trajectories
 
@@ -114,16 +140,32 @@ class _Metrics:
         return dict(values)
 
 
-def _run(trainer, k, steps=6, start=0):
+def _run(trainer, k, steps=6, start=0, state=None):
+    """`steps` steps from `start` (from a checkpoint's data `state` when given); returns the metrics
+    and, after each step, (step, the data state a checkpoint then holds)."""
     metrics, saved = _Metrics(), []
     prompts = _Batches()
     prompts.position = start
-    lookahead = PromptLookahead(prompts)
+    lookahead = PromptLookahead(prompts, batch=start)
+    if state is not None:
+        lookahead.set_state(state)
     loop = RLLoop(trainer, lookahead if k else prompts, steps, metrics, checkpointer=None,
-                  save_state=lambda step, final: saved.append((step, lookahead.get_state()["next"])),
+                  save_state=lambda step, final: saved.append((step, lookahead.get_state())),
                   lr=lambda step: 0.0, progress=False, max_staleness=k)
     asyncio.run(loop.run(start))
     return metrics, saved
+
+
+def _resumes_exactly(trainer, saved, prompts_per_batch=2):
+    """Each checkpoint's data state names exactly the groups not yet taken: every group of earlier
+    batches and every listed one was trained, and no other."""
+    trained = set()
+    for step, state in saved:
+        trained |= set(trainer.trained_groups[step - 1])
+        first_open = state["batch"] * prompts_per_batch
+        listed = {b * prompts_per_batch + i for b, i in state["taken"]}
+        assert state["next"] == state["batch"]  # the data position of that batch
+        assert trained == set(range(first_open)) | listed, (step, state)
 
 
 @pytest.mark.parametrize("k", [1, 2])
@@ -150,8 +192,13 @@ def test_pipeline_admits_k_steps_ahead_and_no_token_is_more_than_k_behind(k):
     # generators are busy for a good part of each step, where a synchronous loop leaves them idle
     # through every update.
     assert sum(v["async/generator_busy"] for v in lines[1:]) / 5 > 0.25
-    # The checkpoint after step s resumes from step s + 1's prompts, whatever was read ahead.
-    assert saved == [(s, s) for s in range(1, 7)]
+    # Step 0's long batch was overtaken: steps 0 .. K - 1 trained later batches' groups as they came,
+    # and step K, the first update after which its tokens would be too stale, waited for it (due).
+    assert trainer.trained_groups[0] == [2, 3] and trainer.trained_groups[k] == [0, 1]
+    assert lines[0]["async/groups_overtaking"] == 2
+    # Each checkpoint resumes from the oldest batch not wholly trained, whatever was read ahead.
+    _resumes_exactly(trainer, saved)
+    assert saved[0][1]["batch"] == 0 and saved[0][1]["taken"] == [[1, 0], [1, 1]]
 
 
 def test_skipped_steps_do_not_make_tokens_stale():
@@ -187,7 +234,36 @@ def test_resumed_pipeline_starts_from_its_checkpointed_step():
     trainer.weights_version = trainer.steps_done = 3
     metrics, saved = _run(trainer, 1, steps=6, start=3)
     assert [step for kind, step, _ in trainer.events if kind == "train"] == [3, 4, 5]
-    assert [step for step, _ in metrics.lines] == [4, 5, 6] and saved == [(4, 4), (5, 5), (6, 6)]
+    assert [step for step, _ in metrics.lines] == [4, 5, 6]
+    assert [(step, state["batch"], state["taken"]) for step, state in saved] == [(4, 4, []), (5, 5, []), (6, 6, [])]
+
+
+def test_groups_stream_past_a_long_tail_and_a_resume_regenerates_only_the_groups_not_taken():
+    """Group 0 (step 0's first) is slow: updates take the complete groups of later batches meanwhile
+    and take group 0 once it falls due (K updates after its admission), within the bound. A run
+    resumed from a checkpoint taken while group 0 was still out generates group 0 and the groups not
+    taken again, skips those taken, and trains every group once in all."""
+    slow = lambda step, index: 0.4 if (step, index) == (0, 0) else 0.03  # noqa: E731
+    trainer = _ScriptedTrainer(rollout_s=lambda s: 0.03, update_s=0.03, group_s=slow)
+    metrics, saved = _run(trainer, 2, steps=5)
+    lines = [values for _, values in metrics.lines]
+    where = {gid: step for step, gids in trainer.trained_groups.items() for gid in gids}
+    assert where[0] == 2 and where[1] == 0  # group 0 waited for no update until it was due
+    assert lines[0]["async/groups_overtaking"] >= 1 and all(v["async/stale_groups_dropped"] == 0 for v in lines)
+    assert all(v["async/staleness_max"] <= 2 for v in lines) and lines[-1]["async/groups_left_untaken"] == 0
+    assert sorted(where) == list(range(10))  # 5 steps x 2 groups, each once
+    _resumes_exactly(trainer, saved)
+    step, state = saved[0]  # after step 1: batch 0's group 0 still out, later groups taken
+    assert state["batch"] == 0 and [0, 0] not in state["taken"] and [0, 1] in state["taken"]
+
+    resumed = _ScriptedTrainer(rollout_s=lambda s: 0.03, update_s=0.03, group_s=slow)
+    resumed.weights_version = resumed.steps_done = step
+    _, saved_again = _run(resumed, 2, steps=5, start=step, state=state)
+    taken_before = {b * 2 + i for b, i in state["taken"]}
+    assert not taken_before & set(resumed.generated)  # nothing taken is generated again
+    assert 0 in resumed.generated
+    again = [gid for s in range(step, 5) for gid in resumed.trained_groups[s]]
+    assert len(again) == len(set(again)) == 2 * (5 - step) and 0 in again and not taken_before & set(again)
 
 
 def _tiny(**overrides):
