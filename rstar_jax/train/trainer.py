@@ -151,16 +151,10 @@ class RLTrainer:
                         "time/update_s": time.perf_counter() - t0})
         return metrics
 
-    async def generate(self, prompts: list[tuple[str, str]], *, step: int,
-                       own_share: bool = False) -> tuple[list[Trajectory], float]:
-        """Step `step`'s trajectories (group ids from step x prompts) and the seconds they took;
-        `own_share`: this process's share only, for `gather_shares` later (no collective here)."""
+    async def generate(self, prompts: list[tuple[str, str]], *, step: int) -> tuple[list[Trajectory], float]:
+        """Step `step`'s trajectories (group ids from step x prompts) and the seconds they took."""
         t0 = time.perf_counter()
-        first_group_id = step * len(prompts)
-        if own_share:
-            trajectories = await self.rollout_own_share(prompts, first_group_id=first_group_id)
-        else:
-            trajectories = await self.rollout_shared(prompts, first_group_id=first_group_id)
+        trajectories = await self.rollout_shared(prompts, first_group_id=step * len(prompts))
         return trajectories, time.perf_counter() - t0
 
     def own_group_ids(self, prompts: list[tuple[str, str]], *, step: int) -> list[int]:

@@ -81,7 +81,7 @@ class _ScriptedTrainer:
     def own_group_ids(prompts, *, step):
         return [step * len(prompts) + g for g in range(len(prompts))]
 
-    async def generate(self, prompts, *, step, own_share=False):  # the synchronous step's
+    async def generate(self, prompts, *, step):  # the synchronous step's
         groups = await asyncio.gather(*(self._group(step, g, step * len(prompts) + g) for g in range(len(prompts))))
         return [t for group in groups for t in group], self.rollout_s(step)
 
