@@ -383,9 +383,8 @@ class PromptLookahead:
     def taken(self, group_ids: Sequence[int], *, step_offset: int = 0) -> None:
         """Marks the groups `group_ids` taken (trained or dropped); a batch's group ids are
         (step_offset + batch) x its size + the group's index, as the trainer numbers them."""
-        by_batch = {entry[0]: entry for entry in self._pending}
         for gid in group_ids:
-            for entry in by_batch.values():
+            for entry in self._pending:
                 first = (step_offset + entry[0]) * entry[2]
                 if first <= gid < first + entry[2]:
                     entry[3].add(gid - first)
