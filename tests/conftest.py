@@ -78,6 +78,9 @@ TINY_RUN_OVERRIDES = (*TINY_TEST_TASK, f"--config.data.synthetic.sft_stages={TIN
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
+    import fcntl
+    import json
+    import shutil
     import subprocess
     import sys
     import time
@@ -86,17 +89,30 @@ def tiny_run(tmp_path_factory):
     reuse = os.environ.get("RSTAR_JAX_TEST_TINY_RUN")  # a finished run's directory: skips the run (local iteration)
     if reuse:
         return types.SimpleNamespace(run_dir=pathlib.Path(reuse), stdout="", stderr="", seconds=0.0)
-    work = tmp_path_factory.mktemp("tiny_run")
-    run_dir = work / "run"
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "").strip()
-    t0 = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "rstar_jax.launch", f"--config.run_dir={run_dir}",
-                             *TINY_RUN_OVERRIDES], cwd=work, env=env, capture_output=True, text=True, timeout=900)
-    if result.returncode != 0:
-        raise RuntimeError(f"the tiny run failed (exit {result.returncode}):\n{result.stderr[-4000:]}")
-    return types.SimpleNamespace(run_dir=run_dir, stdout=result.stdout, stderr=result.stderr,
-                                 seconds=time.perf_counter() - t0)
+    # Under pytest-xdist the workers' temporary roots share a parent: the first worker to need the
+    # run makes it there while the others wait on the lock, then all read its outcome.
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    work, outcome = root / "tiny_run", root / "tiny_run" / "outcome.json"
+    with open(root / "tiny_run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not outcome.is_file():
+            shutil.rmtree(work, ignore_errors=True)  # a run that timed out in another worker
+            work.mkdir()
+            env = dict(os.environ)
+            env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "").strip()
+            t0 = time.perf_counter()
+            result = subprocess.run([sys.executable, "-m", "rstar_jax.launch", f"--config.run_dir={work / 'run'}",
+                                     *TINY_RUN_OVERRIDES], cwd=work, env=env, capture_output=True, text=True,
+                                    timeout=900)
+            outcome.write_text(json.dumps({"returncode": result.returncode, "stdout": result.stdout,
+                                           "stderr": result.stderr, "seconds": time.perf_counter() - t0}))
+    done = json.loads(outcome.read_text())
+    if done["returncode"] != 0:
+        raise RuntimeError(f"the tiny run failed (exit {done['returncode']}):\n{done['stderr'][-4000:]}")
+    return types.SimpleNamespace(run_dir=work / "run", stdout=done["stdout"], stderr=done["stderr"],
+                                 seconds=done["seconds"])
 
 
 @pytest.fixture(scope="session")
