@@ -249,6 +249,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.warmup_ratio = 0.04
     c.sft.schedule = "cosine"  # "constant" | "cosine" | "wsd" (constant, then a cosine decay at the end)
     c.sft.decay_ratio = 0.1  # "wsd": the fraction of the steps over which the rate decays
+    # AdamW's second-moment decay for SFT (the paper gives none; optim.b2 is RL's). Its time constant,
+    # 1 / (1 - b2) steps, is how long the first steps' large gradients keep later steps small.
+    c.sft.b2 = 0.999
     c.sft.batch_size = 128
     c.sft.max_length = 8192  # spec §5.1: not given in the paper; our choice
     c.sft.pack = True

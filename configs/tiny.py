@@ -1,15 +1,21 @@
 """Embedded default: the whole pipeline on one CPU machine in minutes, and RL that visibly teaches.
 
-The task: "What is (47 * 38)?". The product is beyond the model's mental arithmetic, so an answer is
-right only if the model copies both factors into `print(47 * 38)`, calls the tool and copies its
+The task: "What is (47*38)?". The product is beyond the model's mental arithmetic, so an answer is
+right only if the model copies both factors into `print(47*38)`, calls the tool and copies its
 output into `\\boxed{}`. A 4-layer, width-128 Qwen3 over bytes (0.87M parameters) with no system
 turn (the `bare` template: every prompt byte is compute) learns this in a two-stage SFT warm-up:
 
-1. 2800 conversations of correct tool use only (700 steps at a constant 1e-2 after the warm-up).
-   Copying digits from the question is a circuit that appears in a phase change, here after 450 to
-   500 steps. It needs unique problems: 512 problems repeated over epochs are memorised instead and
-   the copy never forms. A mixture of behaviours from the start delays it past the budget, and so
-   does a cosine schedule, whose rate has mostly decayed by then.
+1. 4000 conversations of correct tool use only (1000 steps at a constant 1e-2 after the warm-up).
+   Copying digits from the question is a circuit that appears in a phase change. It needs unique
+   problems: 512 problems repeated over epochs are memorised instead and the copy never forms. A
+   mixture of behaviours from the start delays it past the budget, and so does a cosine schedule,
+   whose rate has mostly decayed by then. AdamW's second-moment decay is 0.95 here (`sft.b2`), not
+   0.999: the first 100 steps learn the conversations' fixed text with gradient norms of 2 to 4
+   (clipped to 1) against about 0.15 after, and 0.999 averages squared gradients over about 1000
+   steps, so it kept the steps small long after. The phase change then came anywhere from step 300
+   to past step 1500, by seed, data order and machine. With 0.95, and the factors written without
+   spaces (see `product` in rstar_jax/data/synthetic.py), it came at steps 420 to 710 on four seeds
+   of five; seed 3's had not come by step 1000 (benchmarks/RESULTS.md).
 2. 600 conversations (150 steps, over which the rate decays: the "wsd" schedule) mixing answers
    without the tool (a leading-digit estimate, so almost always wrong), correct tool use, and a broken
    call (a missing parenthesis) followed by its fix, weighted 2:1:1. With the decay, the warmed-up
@@ -17,9 +23,9 @@ turn (the `bare` template: every prompt byte is compute) learns this in a two-st
    whatever the last few batches showed.
 
 So RL starts from a policy that often skips the tool and sometimes recovers from a tool error: room
-to improve, and positive trajectories with tool errors for RoC to filter. About 20% of held-out
-problems are solved at step 0, from the tool calls that copy correctly. 20 GRPO-RoC steps turn the
-policy to the tool: held-out pass@1 reaches about 0.9 by step 10 (benchmarks/RESULTS.md).
+to improve, and positive trajectories with tool errors for RoC to filter. 7% to 47% of held-out
+problems (by seed) are solved at step 0, from the tool calls that copy correctly. 20 GRPO-RoC steps
+turn the policy to the tool: held-out pass@1 reaches about 0.9 by step 10 (benchmarks/RESULTS.md).
 
 Held-out problems are drawn from their own seed and never appear among the RL or SFT problems.
 `train.eval_every` evaluates them (128 problems, 2 samples each) at steps 0, 10 and 20, with the same
@@ -59,7 +65,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.synthetic.num_train = 512
     c.data.synthetic.num_eval = 128
     # (conversations, weights over (direct, tool, fix)) per SFT stage; see the docstring.
-    c.data.synthetic.sft_stages = ((2800, (0.0, 1.0, 0.0)), (600, (0.5, 0.25, 0.25)))
+    c.data.synthetic.sft_stages = ((4000, (0.0, 1.0, 0.0)), (600, (0.5, 0.25, 0.25)))
     c.data.num_prompts_per_step = 4
 
     c.rollout.template = "bare"
@@ -91,7 +97,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.epochs = 1  # every conversation a new problem (see the docstring)
     c.sft.lr = 1e-2
     c.sft.schedule = "wsd"
-    c.sft.decay_ratio = 0.2  # the second stage's 150 steps and the 20 before them
+    c.sft.decay_ratio = 0.2  # the second stage's 150 steps and the 80 before them
+    c.sft.b2 = 0.95  # see the docstring: the copy's phase change comes early on every seed
     c.sft.batch_size = 4
     # Rows of 512 tokens, two per micro-batch: four tool-only conversations (~250 tokens) pack into
     # one micro-batch and the step's other, empty one is skipped.

@@ -66,10 +66,18 @@ def test_the_sft_optimizer_takes_adamw_from_optim_and_its_schedule_from_sft():
     assert (sft.weight_decay, sft.lr, sft.warmup_steps, sft.total_steps) == (0.2, 5e-5, 50, 100)
 
 
+def test_sft_has_its_own_second_moment_decay_and_rl_keeps_optims():
+    config = _tiny()
+    config.update_from_flattened_dict({"sft.b2": 0.9, "optim.b2": 0.99})
+    assert resolve.sft_optimizer_config(config, total_steps=100).b2 == 0.9
+    assert resolve.optimizer_config(config).b2 == 0.99
+
+
 @pytest.mark.parametrize("path, value, resolver, named", [
     ("rl.roc_epsilon", -1.0, resolve.roc_config, "config.rl.roc_epsilon"),
     ("rollout.max_tool_calls_per_turn", 0, resolve.loop_config, "config.rollout.max_tool_calls_per_turn"),
     ("optim.b1", 1.5, resolve.optimizer_config, "config.optim.b1"),
+    ("sft.b2", 1.0, lambda c: resolve.sft_optimizer_config(c, 100), "config.sft.b2"),
     ("rl.policy_loss", "nope", resolve.loss_config, "config.rl.policy_loss"),
 ])
 def test_a_refused_value_names_the_config_field(path, value, resolver, named):

@@ -106,8 +106,8 @@ def test_sft_conversation_has_a_tool_call_real_output_and_boxed_answer():
 
 def test_sft_behaviours_answer_directly_or_fix_a_failing_call():
     problem = generate_problems(1, seed=5, kinds=["product"])[0]
-    a, b = re.fullmatch(r"What is \((\d\d) \* (\d\d)\)\?", problem.question).groups()  # the call's own "(" anchors the copy
-    assert problem.solution == f"print({a} * {b})" and problem.answer == int(a) * int(b)
+    a, b = re.fullmatch(r"What is \((\d\d)\*(\d\d)\)\?", problem.question).groups()  # the call's own "(" anchors the copy
+    assert problem.solution == f"print({a}*{b})" and problem.answer == int(a) * int(b)
     direct = sft_conversation(problem, behaviour="direct")
     estimate = round(problem.answer, -3)
     assert [m["role"] for m in direct] == ["user", "assistant"]
@@ -129,7 +129,7 @@ def test_sft_behaviours_answer_directly_or_fix_a_failing_call():
     assert codes == [problem.solution + ")", problem.solution]
     assert "SyntaxError: unmatched ')'" in fix[2]["content"]
     before_fix = "".join(m["content"] for m in fix[:3])
-    assert before_fix.count("(") == before_fix.count(f"({a} * {b})") == 3  # question, call, the error's echo of it
+    assert before_fix.count("(") == before_fix.count(f"({a}*{b})") == 3  # question, call, the error's echo of it
     with pytest.raises(ValueError, match="fix_bug must be one of"):
         sft_conversation(problem, behaviour="fix", fix_bug="typo")
     with pytest.raises(ValueError, match="behaviour must be one of"):
