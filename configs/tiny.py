@@ -30,7 +30,8 @@ turn the policy to the tool: held-out pass@1 reaches about 0.9 by step 10 (bench
 Held-out problems are drawn from their own seed and never appear among the RL or SFT problems.
 `train.eval_every` evaluates them (128 problems, 2 samples each) at steps 0, 10 and 20, with the same
 agentic loop as `python -m rstar_jax.evaluate`. Rollouts run on the in-process JaxEngine against a
-local sandbox server, which the launcher starts and stops. The run takes about 4 minutes on 2 cores.
+local sandbox server, which the launcher starts and stops. The run takes under 10 minutes on 2
+cores: 9.8 on a 2-core Xeon at 2.5 GHz, 6.5 of them the warm-up's 1150 steps.
 """
 
 import ml_collections
@@ -98,7 +99,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.lr = 1e-2
     c.sft.schedule = "wsd"
     c.sft.decay_ratio = 0.2  # the second stage's 150 steps and the 80 before them
-    c.sft.b2 = 0.95  # see the docstring: the copy's phase change comes early on every seed
+    c.sft.b2 = 0.95  # see the docstring: the copy's phase change comes earlier
     c.sft.batch_size = 4
     # Rows of 512 tokens, two per micro-batch: four tool-only conversations (~250 tokens) pack into
     # one micro-batch and the step's other, empty one is skipped.
