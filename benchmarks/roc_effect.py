@@ -3,7 +3,8 @@
     python benchmarks/roc_effect.py                   # 5 seeds x 4 variants: over two hours on 2 CPU cores
     python benchmarks/roc_effect.py --variants roc,grpo --out runs/roc_effect
 
-Each seed's warm-up (1250 steps) takes 12-13 minutes on two shared cores, and each RL run 4-5.
+Each seed's warm-up (at most 2050 steps: the default's first stage ends once the copy holds) took
+12-13 minutes on two shared cores at 1250 fixed steps, and each RL run 4-5.
 
 rStar2-Agent's Fig. 4: with outcome-only rewards, GRPO reinforces trajectories that reach the right
 answer despite failed tool calls, and keeps about 10% tool errors in its positive trajectories, where
@@ -68,12 +69,16 @@ REPO = learning.REPO
 # The default task with a recovery the model learns (see the docstring): the fix's failed call
 # doubles its ")" (no "(" of the error's own), observations long enough to hold its traceback whole (a
 # middle cut would insert "...(truncated)..."), lengths that fit a fix conversation (546 tokens),
-# and a warm-up stage of mostly fixes between the default's two.
+# and a warm-up stage of mostly fixes between the default's two. The first stage ends as the
+# default's does, once the copy holds (sft.advance_loss, which may end the middle stage early too,
+# once the fix holds), but at step 1500 at the latest; the rate decays over the last stage's 150
+# steps of the 2050 planned.
 TASK: tuple[str, ...] = (
     "--config.data.synthetic.fix_bug=unmatched", "--config.rollout.observation_max_chars=160",
     "--config.rollout.response_budget=512", "--config.eval.response_budget=512", "--config.rollout.engine.max_length=640",
     "--config.sft.max_length=640", "--config.sft.micro_batch_tokens=1280",
-    "--config.data.synthetic.sft_stages=((2800, (0.0, 1.0, 0.0)), (1600, (0.0, 0.2, 0.8)), (600, (0.4, 0.3, 0.3)))")
+    "--config.data.synthetic.sft_stages=((6000, (0.0, 1.0, 0.0)), (1600, (0.0, 0.2, 0.8)), (600, (0.4, 0.3, 0.3)))",
+    "--config.sft.decay_ratio=0.073")
 VARIANTS = ("roc", "roc_release", "grpo", "no_tool")
 CURVES = ("eval/pass@1", "eval/tool_error_rate_positive", "eval/positive_with_tool_error", "eval/tool_error_rate_negative",
           "eval/tool_calls_mean", "eval/response_length_mean", "rollout/reward_mean", "rollout/tool_error_rate_positive")

@@ -252,6 +252,12 @@ def get_config() -> ml_collections.ConfigDict:
     # AdamW's second-moment decay for SFT (the paper gives none; optim.b2 is RL's). Its time constant,
     # 1 / (1 - b2) steps, is how long the first steps' large gradients keep later steps small.
     c.sft.b2 = 0.999
+    # A stage other than the last (a file of sft.train_files, an entry of data.synthetic.sft_stages)
+    # ends early once the mean loss of its last sft.advance_window steps falls below this: its
+    # conversations are then a cap, and the schedule skips its remaining steps (so it must hold the
+    # rate constant until the last stage). 0: every stage runs whole.
+    c.sft.advance_loss = 0.0
+    c.sft.advance_window = 50
     c.sft.batch_size = 128
     c.sft.max_length = 8192  # spec §5.1: not given in the paper; our choice
     c.sft.pack = True

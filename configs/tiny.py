@@ -5,18 +5,21 @@ right only if the model copies both factors into `print(47*38)`, calls the tool 
 output into `\\boxed{}`. A 4-layer, width-128 Qwen3 over bytes (0.87M parameters) with no system
 turn (the `bare` template: every prompt byte is compute) learns this in a two-stage SFT warm-up:
 
-1. 4000 conversations of correct tool use only (1000 steps at a constant 1e-2 after the warm-up).
-   Copying digits from the question is a circuit that appears in a phase change. It needs unique
-   problems: 512 problems repeated over epochs are memorised instead and the copy never forms. A
-   mixture of behaviours from the start delays it past the budget, and so does a cosine schedule,
-   whose rate has mostly decayed by then. AdamW's second-moment decay is 0.95 here (`sft.b2`), not
-   0.999: the first 100 steps learn the conversations' fixed text with gradient norms of 2 to 4
-   (clipped to 1) against about 0.15 after, and 0.999 averages squared gradients over about 1000
-   steps, so it kept the steps small long after. The phase change then came anywhere from step 300
-   to past step 1500, by seed, data order and machine. With 0.95, and the factors written without
-   spaces (see `product` in rstar_jax/data/synthetic.py), it came at steps 420 to 710 on four seeds
-   of five; seed 3's had not come by step 1000 (benchmarks/RESULTS.md).
-2. 600 conversations (150 steps, over which the rate decays: the "wsd" schedule) mixing answers
+1. Correct tool use only, at a constant 1e-2 after the warm-up, until the copy holds: the stage
+   ends once its last 50 steps' mean loss is under 0.002 (`sft.advance_loss`), at step 1000 (its
+   4000 conversations) at the latest. Copying digits from the question is a circuit that appears in
+   a phase change, at a step that varies with the seed: ending the stage there, rather than at a
+   fixed step, makes every seed copy before RL starts without making every run wait for the
+   slowest seed. The copy needs unique problems: 512 problems repeated over epochs are memorised
+   instead and the copy never forms. A mixture of behaviours from the start delays it past the
+   budget, and so does a cosine schedule, whose rate has mostly decayed by then. AdamW's
+   second-moment decay is 0.95 here (`sft.b2`), not 0.999: the first 100 steps learn the
+   conversations' fixed text with gradient norms of 2 to 4 (clipped to 1) against about 0.15
+   after, and 0.999 averages squared gradients over about 1000 steps, so it kept the steps small
+   long after. With 0.95, and the factors written without spaces (see `product` in
+   rstar_jax/data/synthetic.py), the stage ended at steps FILL on five seeds (benchmarks/RESULTS.md).
+2. 600 conversations (150 steps, over which the rate decays: the "wsd" schedule, laid out for the
+   planned 1150 steps; the steps stage 1 did not take are skipped in it too) mixing answers
    without the tool (a leading-digit estimate, so almost always wrong), correct tool use, and a broken
    call (a missing parenthesis) followed by its fix, weighted 2:1:1. With the decay, the warmed-up
    policy samples each behaviour about as often as this stage shows it. At a constant rate it samples
@@ -98,7 +101,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.epochs = 1  # every conversation a new problem (see the docstring)
     c.sft.lr = 1e-2
     c.sft.schedule = "wsd"
-    c.sft.decay_ratio = 0.2  # the second stage's 150 steps and the 80 before them
+    c.sft.decay_ratio = 0.13  # the second stage's 150 steps of the 1150 planned
+    # Stage 1 ends once the copy holds (50 steps' mean loss under 0.002), at step 1000 at the latest.
+    c.sft.advance_loss = 0.002
+    c.sft.advance_window = 50
     c.sft.b2 = 0.95  # see the docstring: the copy's phase change comes earlier
     c.sft.batch_size = 4
     # Rows of 512 tokens, two per micro-batch: four tool-only conversations (~250 tokens) pack into

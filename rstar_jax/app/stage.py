@@ -26,9 +26,9 @@ from rstar_jax.errors import ConfigError
 from rstar_jax.app import builders
 from rstar_jax.train.checkpoint import Checkpointer, checkpoints_directory
 from rstar_jax.app.held_out import HeldOutEvaluation
-from rstar_jax.train.loop import PromptLookahead, RLLoop, is_rl_line, sft_loop
+from rstar_jax.train.loop import PromptLookahead, RLLoop, StageAdvance, is_rl_line, sft_loop
 from rstar_jax.train.metrics import MetricsWriter
-from rstar_jax.train.step import lr_schedule, make_optimizer
+from rstar_jax.train.step import lr_schedule, make_optimizer, wsd_decay_start
 from rstar_jax.train.trainer import RLTrainer
 
 
@@ -80,25 +80,51 @@ def _run_stage(config, run_dir: pathlib.Path, targets: list[str]) -> dict:
 
 def run_sft(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTemplate, conversation_files,
             metrics: MetricsWriter, checkpointer: Checkpointer | None = None) -> dict:
-    """The SFT stage (or RL's warm-up): assistant-token NLL, packed, cosine schedule, the files one
-    after the other in each epoch. With a checkpointer (the `sft` mode's, or the warm-up's own) it
-    saves every `checkpoint.every_steps` steps and at the end, and resumes from the latest save."""
+    """The SFT stage (or RL's warm-up): assistant-token NLL, packed, on `sft.schedule`, the files one
+    after the other in each epoch, a stage ending early under `sft.advance_loss`. With a
+    checkpointer (the `sft` mode's, or the warm-up's own) it saves every `checkpoint.every_steps`
+    steps and at the end, and resumes from the latest save."""
     batches = builders.sft_batches(config, tokenizer, template, conversation_files, mesh)
     total = config.sft.epochs * batches.steps_per_epoch()
-    optimizer = make_optimizer(model, resolve.sft_optimizer_config(config, total))
-    start = 0
+    optimizer_config = resolve.sft_optimizer_config(config, total)
+    advance = _stage_advance(config, batches.stage_steps(), optimizer_config)
+    optimizer = make_optimizer(model, optimizer_config)
+    start, resumed_state = 0, {}
     if checkpointer is not None and checkpointer.latest_step() is not None:
-        start = checkpointer.restore(model=model, optimizer=optimizer).step
+        restored = checkpointer.restore(model=model, optimizer=optimizer)
+        start, resumed_state = restored.step, restored.data_state or {}
         metrics.discard_after(start, where=lambda record: "sft/loss" in record)
         print(f"[sft] resumed from step {start}", flush=True)
 
-    def save(step: int, final: bool) -> None:
-        checkpointer.save(step, model=model, optimizer=optimizer, data_state={"sft_step": step},
+    def save(step: int, final: bool, state: dict) -> None:
+        checkpointer.save(step, model=model, optimizer=optimizer, data_state={"sft_step": step, **state},
                           stage=config.stage, config=config, force=final)
 
     return sft_loop(model, optimizer, batches, epochs=config.sft.epochs, mesh=mesh,
                     chunk_size=config.rl.logprob_chunk_size, metrics=metrics, start=start,
-                    save=save if checkpointer is not None else None, progress=config.metrics.progress_bar)
+                    save=save if checkpointer is not None else None, progress=config.metrics.progress_bar,
+                    advance=advance, resumed_state=resumed_state)
+
+
+def _stage_advance(config, stage_steps: list[int], optimizer_config) -> StageAdvance | None:
+    """`sft.advance_loss` as the loop applies it, once the stages' lengths are known: a stage that
+    ends early skips its remaining steps in the schedule, so the rate must be constant over them."""
+    if not config.sft.advance_loss:
+        return None
+    if len(stage_steps) < 2:
+        raise ConfigError("config.sft.advance_loss: ends an SFT stage other than the last early, but there is one "
+                          "stage (one file in sft.train_files, or one entry in data.synthetic.sft_stages); set it to 0")
+    last_stage_start = sum(stage_steps[:-1])
+    schedule = optimizer_config.schedule
+    decay_start = wsd_decay_start(optimizer_config) if schedule == "wsd" else optimizer_config.total_steps
+    if schedule == "cosine" or (schedule == "wsd" and decay_start < last_stage_start):
+        where = "decays over every step" if schedule == "cosine" else f"decays from step {decay_start}"
+        raise ConfigError(f"config.sft.advance_loss: a stage that ends early skips the rest of its steps, so the rate "
+                          f"must be constant until the last stage starts (step {last_stage_start}), but "
+                          f"sft.schedule={schedule!r} {where}: use 'wsd' with a sft.decay_ratio of at most "
+                          f"{stage_steps[-1] / optimizer_config.total_steps:.4f}, or 'constant'")
+    return StageAdvance(loss=config.sft.advance_loss, window=config.sft.advance_window,
+                        after_step=optimizer_config.warmup_steps)
 
 
 @dataclasses.dataclass

@@ -619,6 +619,11 @@ def _check_values(check: Checker) -> None:
     if check.range("sft.warmup_ratio", 0.0, 1.0):  # the SFT warm-up is round(warmup_ratio x steps)
         check.build(lambda: resolve.sft_optimizer_config(config, 1 << 30))
     _check_optimizer_bounds(check)
+    check.positive_int("sft.advance_window")
+    if check.range("sft.advance_loss", 0.0, None) and config.sft.advance_loss and check.ok("sft.epochs"):
+        check.require(config.sft.epochs == 1, "sft.advance_loss",
+                      f"ends a stage early within the one pass over the stages: needs sft.epochs=1, got "
+                      f"{config.sft.epochs} (or set it to 0)")
     check.positive_int("sft.batch_size")
     if check.positive_int("sft.max_length") and model is not None:
         check.require(config.sft.max_length <= model.max_position_embeddings, "sft.max_length",

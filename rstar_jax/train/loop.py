@@ -28,7 +28,7 @@ from rstar_jax.rollout.records import rollout_path, trajectory_record, write_rec
 from rstar_jax.train.checkpoint import Checkpointer
 from rstar_jax.train.metrics import MetricsWriter, ProgressBar
 from rstar_jax.train.sft import SftBatches, sft_step
-from rstar_jax.train.step import place_batch
+from rstar_jax.train.step import place_batch, skip_schedule_to
 from rstar_jax.train.trainer import RLTrainer
 
 
@@ -37,29 +37,64 @@ def is_rl_line(record: dict) -> bool:
     return any(key.startswith(("rollout/", "eval/")) for key in record)
 
 
+@dataclasses.dataclass(frozen=True)
+class StageAdvance:
+    """When an SFT stage other than the last ends early: once the mean loss of its last `window`
+    steps is below `loss`, at step `after_step` or later (the schedule is constant from there)."""
+
+    loss: float
+    window: int
+    after_step: int = 0
+
+
 def sft_loop(model, optimizer, batches: SftBatches, *, epochs: int, mesh: Mesh | None, chunk_size: int,
-             metrics: MetricsWriter, start: int = 0, save: Callable[[int, bool], Any] | None = None,
-             progress: bool = True) -> dict:
-    """`epochs` passes over `batches`, skipping the first `start` steps; save(step, final) after each."""
+             metrics: MetricsWriter, start: int = 0, save: Callable[[int, bool, dict], Any] | None = None,
+             progress: bool = True, advance: StageAdvance | None = None, resumed_state: dict | None = None) -> dict:
+    """`epochs` passes over `batches`, skipping the first `start` steps; save(step, final, state)
+    after each, `state` being what a resumed run passes back as `resumed_state`.
+
+    Steps keep the numbers of the full plan: a stage left early (`advance`) skips its remaining
+    numbers, and the learning-rate schedule skips them too, so later stages see the rates planned
+    for them."""
     total = epochs * batches.steps_per_epoch()
     bar = ProgressBar(total, desc="sft") if progress else None
     step, last = 0, {}
+    stage_steps = batches.stage_steps()
     try:
         for epoch in range(epochs):
-            for batch in batches.epoch(epoch):
-                step += 1
-                if step <= start:
+            for stage, stage_batches in enumerate(batches.epoch_stages(epoch)):
+                stage_end = step + stage_steps[stage]
+                if stage_end <= start:
+                    step = stage_end
                     continue
-                t0 = time.perf_counter()
-                out = jax.device_get(sft_step(model, optimizer, place_batch(batch, mesh), chunk_size))
-                last = {"sft/loss": float(out["loss"]), "sft/tokens": float(out["tokens"]),
-                        "sft/grad_norm": float(out["grad_norm"]),
-                        "time/sft_step_s": time.perf_counter() - t0}
-                metrics.write(step, last)
-                if save is not None:
-                    save(step, step == total)
-                if bar:
-                    bar.update(step, loss=f"{last['sft/loss']:.3f}")
+                can_advance = advance is not None and stage < len(stage_steps) - 1
+                # The stage's latest losses; a resume inside the stage restores them from its checkpoint.
+                recent = collections.deque((resumed_state or {}).get("stage_losses", []) if step < start else [],
+                                           maxlen=advance.window if can_advance else 1)
+                for batch in stage_batches:
+                    # Decided before the next step, so a run resumed at a step that ended its stage ends it too.
+                    if (can_advance and start <= step and step >= advance.after_step
+                            and len(recent) == advance.window and sum(recent) / len(recent) < advance.loss):
+                        print(f"[sft] stage {stage + 1} ended at step {step} of {stage_end}: its last {advance.window} "
+                              f"steps' mean loss {sum(recent) / len(recent):.4g} < sft.advance_loss {advance.loss:g}",
+                              flush=True)
+                        skip_schedule_to(optimizer, stage_end)
+                        step = stage_end
+                        break
+                    step += 1
+                    if step <= start:
+                        continue
+                    t0 = time.perf_counter()
+                    out = jax.device_get(sft_step(model, optimizer, place_batch(batch, mesh), chunk_size))
+                    last = {"sft/loss": float(out["loss"]), "sft/tokens": float(out["tokens"]),
+                            "sft/grad_norm": float(out["grad_norm"]), "sft/stage": stage + 1,
+                            "time/sft_step_s": time.perf_counter() - t0}
+                    metrics.write(step, last)
+                    recent.append(last["sft/loss"])
+                    if save is not None:
+                        save(step, step == total, {"stage_losses": list(recent) if can_advance else []})
+                    if bar:
+                        bar.update(step, loss=f"{last['sft/loss']:.3f}")
     finally:
         if bar:
             bar.close()

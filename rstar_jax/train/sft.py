@@ -12,7 +12,7 @@ accumulation as the RL step.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -143,18 +143,30 @@ class SftBatches:
         starts = np.cumsum([0] + sizes)
         return [range(a, b) for a, b in zip(starts[:-1], starts[1:])]
 
+    def stage_steps(self) -> list[int]:
+        """Each stage's steps in one epoch."""
+        return [max(1, len(stage) // self.conversations_per_step) for stage in self._stages()]
+
     def steps_per_epoch(self) -> int:
-        return sum(max(1, len(stage) // self.conversations_per_step) for stage in self._stages())
+        return sum(self.stage_steps())
 
     def epoch(self, epoch: int) -> Iterable[dict[str, np.ndarray]]:
+        for stage in self.epoch_stages(epoch):
+            yield from stage
+
+    def epoch_stages(self, epoch: int) -> Iterator[Iterator[dict[str, np.ndarray]]]:
+        """`epoch`'s batches, stage by stage: each stage's batches are packed only as they are
+        taken, so a stage left early (or skipped on resume) costs nothing."""
         rng = np.random.default_rng(self.seed + epoch)
-        n = self.conversations_per_step
         for stage in self._stages():
-            order = np.asarray(stage)[rng.permutation(len(stage))]
-            for s in range(max(1, len(stage) // n)):
-                chosen = [self.sequences[i] for i in order[s * n:(s + 1) * n]]
-                yield make_micro_batches(chosen, rows=self.rows, row_length=self.row_length, packed=True,
-                                         num_micro_batches=self.num_micro_batches())
+            yield self._batches(np.asarray(stage)[rng.permutation(len(stage))])
+
+    def _batches(self, order: np.ndarray) -> Iterator[dict[str, np.ndarray]]:
+        n = self.conversations_per_step
+        for s in range(max(1, len(order) // n)):
+            chosen = [self.sequences[i] for i in order[s * n:(s + 1) * n]]
+            yield make_micro_batches(chosen, rows=self.rows, row_length=self.row_length, packed=True,
+                                     num_micro_batches=self.num_micro_batches())
 
     def num_micro_batches(self) -> int:
         """Every step's count: what `conversations_per_step` of the longest conversation need, so

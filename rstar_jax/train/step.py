@@ -31,13 +31,19 @@ def lr_schedule(config: OptimizerConfig) -> optax.Schedule:
     elif config.schedule == "cosine":
         rest = optax.cosine_decay_schedule(config.lr, after_warmup, alpha=config.min_lr_ratio)
     else:
-        decay = min(after_warmup, max(1, round(config.decay_ratio * config.total_steps)))
+        decay = config.total_steps - wsd_decay_start(config)
         rest = optax.join_schedules(
             [optax.constant_schedule(config.lr),
              optax.cosine_decay_schedule(config.lr, decay, alpha=config.min_lr_ratio)], [after_warmup - decay])
     if config.warmup_steps == 0:
         return rest
     return optax.join_schedules([warmup, rest], [config.warmup_steps])
+
+
+def wsd_decay_start(config: OptimizerConfig) -> int:
+    """The step at which a "wsd" schedule starts to decay."""
+    after_warmup = config.total_steps - config.warmup_steps
+    return config.total_steps - min(after_warmup, max(1, round(config.decay_ratio * config.total_steps)))
 
 
 def make_tx(config: OptimizerConfig = OptimizerConfig()) -> optax.GradientTransformation:
@@ -57,6 +63,20 @@ def make_optimizer(model: nnx.Module, config: OptimizerConfig = OptimizerConfig(
         for obj in (model, optimizer):
             nnx.update(obj, jax.tree.map(lambda x: _as_step_output(x, mesh), nnx.state(obj)))
     return optimizer
+
+
+def skip_schedule_to(optimizer: nnx.Optimizer, step: int) -> None:
+    """Moves the learning-rate schedule of `make_tx`'s optimizer to `step`, leaving AdamW's moments
+    and bias correction as the updates made them: the schedule skips the steps between."""
+    def of_schedule(path, _) -> bool:
+        return getattr(path[-1], "tuple_name", "") == "ScaleByScheduleState"
+
+    counts = optax.tree_utils.tree_get_all_with_path(optimizer.opt_state, "count", filtering=of_schedule)
+    if not counts:
+        raise ValueError("the optimizer has no learning-rate schedule to move (optax ScaleByScheduleState)")
+    for _, count in counts:
+        current = count.get_value()
+        count.set_value(jax.device_put(jnp.asarray(step, current.dtype), current.sharding))
 
 
 def _as_step_output(x, mesh: jax.sharding.Mesh):

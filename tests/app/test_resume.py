@@ -135,6 +135,26 @@ def test_sft_run_killed_and_resumed_matches_the_uninterrupted_run_bitwise(tmp_pa
     assert json.loads((straight / "data" / "sft_0.jsonl").read_text().splitlines()[0])["messages"]
 
 
+def test_sft_stage_ended_early_resumes_to_the_same_end(tmp_path):
+    """sft.advance_loss: a run killed inside the stage that later ends early takes the same decision
+    after its restart (the stage's recent losses are in the checkpoint) and ends bitwise the same."""
+    import re
+
+    advance = (*SFT, "--config.sft.advance_loss=3.6", "--config.sft.advance_window=2")
+    straight, resumed = tmp_path / "straight" / "run", tmp_path / "resumed" / "run"
+    straight.parent.mkdir()
+    resumed.parent.mkdir()
+    ended = re.search(r"\[sft\] stage 1 ended at step (\d+) of 8", _run(straight, *advance).stdout)
+    assert ended and 4 < int(ended[1]) < 8, "the stage must end after the checkpoint the restart resumes from"
+    _kill_after_checkpoint(resumed, 4, *advance)
+    restart = _run(resumed, *advance)
+    assert "[sft] resumed from step 4" in restart.stdout and ended[0] in restart.stdout
+    _assert_bitwise_equal(_weights(straight), _weights(resumed))
+    steps = [m["step"] for m in read_metrics(straight)]
+    assert steps == [m["step"] for m in read_metrics(resumed)] == [*range(1, int(ended[1]) + 1), 9, 10, 11, 12]
+    assert [m["sft/loss"] for m in read_metrics(straight)] == [m["sft/loss"] for m in read_metrics(resumed)]
+
+
 WARM_UP = (*TINY_TEST_TASK, "--config.sft.epochs=1", "--config.data.synthetic.sft_stages=((32,(0,1,0)),(16,(0.4,0.3,0.3)))",
            "--config.checkpoint.every_steps=4", "--config.checkpoint.export_hf_every=0", "--config.train.steps=1",
            "--config.train.eval_every=0")

@@ -189,6 +189,10 @@ def test_tiny_config_describes_a_tiny_model():
     ({"data.synthetic.kinds": ("nope",)}, r"config.data.synthetic.kinds: unknown kind 'nope'"),
     ({"optim.schedule": "linear"}, r"config.optim.schedule: must be one of \('constant', 'cosine', 'wsd'\)"),
     ({"sft.decay_ratio": 0.0}, r"config.sft.decay_ratio: must be in \(0, 1\], got 0.0"),
+    ({"sft.advance_loss": -0.1}, r"config.sft.advance_loss: must be >= 0.0, got -0.1"),
+    ({"sft.advance_loss": 0.01}, r"config.sft.advance_loss: ends a stage early within the one pass over the "
+                                 r"stages: needs sft.epochs=1, got 3"),
+    ({"sft.advance_window": 0}, r"config.sft.advance_window: must be a positive integer, got 0"),
     ({"rollout.ready_timeout_s": 0}, r"config.rollout.ready_timeout_s: must be in \(0.0, 86400.0\], got 0"),
     ({"checkpoint.export_dtype": "int8"}, r"config.checkpoint.export_dtype: must be '' \(the model's param_dtype\)"),
     ({"weight_sync.method": "nccl"}, r"config.weight_sync.method: must be one of \('disk', 'distributed'\)"),

@@ -85,3 +85,30 @@ def test_a_refused_value_names_the_config_field(path, value, resolver, named):
     config.update_from_flattened_dict({path: value})
     with pytest.raises(ConfigError, match=named.replace(".", r"\.") + ":"):
         resolver(config)
+
+
+@pytest.mark.parametrize("overrides, stages, message", [
+    ({}, [100], r"there is one stage"),
+    ({"sft.schedule": "cosine"}, [100, 20], r"sft.schedule='cosine' decays over every step: use 'wsd' with a "
+                                            r"sft.decay_ratio of at most 0.1667, or 'constant'"),
+    ({"sft.decay_ratio": 0.25}, [100, 20], r"until the last stage starts \(step 100\), but sft.schedule='wsd' "
+                                           r"decays from step 90"),
+])
+def test_a_stage_that_may_end_early_needs_a_constant_rate_until_the_last_stage(overrides, stages, message):
+    from rstar_jax.app.stage import _stage_advance
+
+    config = _tiny()
+    config.update_from_flattened_dict(overrides)
+    with pytest.raises(ConfigError, match=r"config\.sft\.advance_loss: .*" + message):
+        _stage_advance(config, stages, resolve.sft_optimizer_config(config, sum(stages)))
+    config.sft.advance_loss = 0.0
+    assert _stage_advance(config, stages, resolve.sft_optimizer_config(config, sum(stages))) is None
+
+
+def test_the_default_runs_warm_up_may_end_its_first_stage_early():
+    from rstar_jax.app.stage import _stage_advance
+
+    config = _tiny()
+    stages = [n // config.sft.batch_size for n, _ in config.data.synthetic.sft_stages]
+    advance = _stage_advance(config, stages, resolve.sft_optimizer_config(config, sum(stages)))
+    assert (advance.loss, advance.window) == (config.sft.advance_loss, config.sft.advance_window) == (0.002, 50)

@@ -97,3 +97,83 @@ def test_the_tiny_runs_warm_up_teaches_the_protocol(tiny_run_dir):
     before, after = float(eval_nll(initial, batch, 256)), float(eval_nll(warm, batch, 256))
     print(f"held-out assistant NLL {before:.3f} -> {after:.3f}")
     assert after < 0.25 * before, (before, after)  # from ~log(320) = 5.8 nats per byte
+
+
+def _advance_setup(seed: int = 0):
+    from rstar_jax.model.qwen3 import Qwen3Config
+    from rstar_jax.train.settings import OptimizerConfig
+    from rstar_jax.train.step import make_optimizer
+
+    problems = generate_problems(24, seed=seed, kinds=("product",), difficulty=1)
+    sequences = sft_sequences(TEMPLATE, TOK, [sft_conversation(p, tool_name="python") for p in problems], 512)
+    # Stages of 16 and 8 conversations: 8 and 4 steps of 2.
+    batches = SftBatches(sequences, conversations_per_step=2, rows=2, row_length=512, stage_sizes=(16, 8))
+    model = Qwen3(Qwen3Config.tiny(), rngs=nnx.Rngs(seed))
+    # "wsd" decaying over the last stage's 4 steps: constant over the steps stage 1 may skip.
+    optimizer = make_optimizer(model, OptimizerConfig(lr=1e-2, warmup_steps=1, schedule="wsd", total_steps=12,
+                                                      decay_ratio=4 / 12))
+    return model, optimizer, batches
+
+
+class _Records:
+    def __init__(self):
+        self.lines = []
+
+    def write(self, step, record):
+        self.lines.append((step, record))
+
+
+def test_a_stage_ends_early_and_the_schedule_skips_its_remaining_steps():
+    """Under sft.advance_loss a stage ends once its recent mean loss is low enough: the later stage
+    keeps its planned step numbers and learning rates (the schedule skips the steps not taken), and
+    a run resumed from any step in between, with the state its saves carried, ends the same."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from rstar_jax.train.loop import StageAdvance, sft_loop
+    from rstar_jax.train.step import lr_schedule
+    from rstar_jax.train.settings import OptimizerConfig
+
+    plan = lr_schedule(OptimizerConfig(lr=1e-2, warmup_steps=1, schedule="wsd", total_steps=12, decay_ratio=4 / 12))
+    model, optimizer, batches = _advance_setup()
+    saves, metrics = {}, _Records()
+
+    def save(step, final, state):
+        # Copies: the step donates the buffers it is given.
+        saves[step] = (jax.tree.map(jnp.copy, nnx.state(model)), jax.tree.map(jnp.copy, nnx.state(optimizer)), state)
+
+    # A threshold every loss meets: stage 1 ends as soon as its window of 3 is full.
+    advance = StageAdvance(loss=1e9, window=3, after_step=1)
+    sft_loop(model, optimizer, batches, epochs=1, mesh=None, chunk_size=256, metrics=metrics, save=save,
+             progress=False, advance=advance)
+    assert [step for step, _ in metrics.lines] == [1, 2, 3, 9, 10, 11, 12]
+    assert [r["sft/stage"] for _, r in metrics.lines] == [1, 1, 1, 2, 2, 2, 2]
+    # The schedule's count is the plan's step; AdamW's own count is the updates made.
+    counts = dict((p[-1].tuple_name, int(v.get_value())) for p, v in
+                  optax.tree_utils.tree_get_all_with_path(optimizer.opt_state, "count"))
+    assert counts == {"ScaleByScheduleState": 12, "ScaleByAdamState": 7}
+    assert plan(8) == np.float32(1e-2) and plan(11) < np.float32(1e-2)  # stage 2 decays as planned
+    assert len(saves[3][2]["stage_losses"]) == 3 and saves[9][2]["stage_losses"] == []
+    final = nnx.state(model)
+
+    # Resumed at step 2 (inside stage 1: its two losses come back) and at step 3 (the step that ended it).
+    for start in (2, 3):
+        model, optimizer, batches = _advance_setup()
+        model_state, optimizer_state, state = saves[start]
+        nnx.update(model, model_state)
+        nnx.update(optimizer, optimizer_state)
+        resumed = _Records()
+        sft_loop(model, optimizer, batches, epochs=1, mesh=None, chunk_size=256, metrics=resumed, start=start,
+                 progress=False, advance=advance, resumed_state=state)
+        assert [step for step, _ in resumed.lines] == [s for s, _ in metrics.lines if s > start]
+        assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(nnx.state(model))))
+
+    # Without advancing, every step of the plan is taken.
+    model, optimizer, batches = _advance_setup()
+    whole = _Records()
+    sft_loop(model, optimizer, batches, epochs=1, mesh=None, chunk_size=256, metrics=whole, progress=False,
+             advance=StageAdvance(loss=0.0, window=3))
+    assert [step for step, _ in whole.lines] == list(range(1, 13))
+
