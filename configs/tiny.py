@@ -36,7 +36,8 @@ Held-out problems are drawn from their own seed and never appear among the RL or
 `train.eval_every` evaluates them (128 problems, 2 samples each) at steps 0, 10 and 20, with the same
 agentic loop as `python -m rstar_jax.evaluate`. Rollouts run on the in-process JaxEngine against a
 local sandbox server, which the launcher starts and stops. The run takes under 10 minutes on 2
-cores: 9.8 on a 2-core Xeon at 2.5 GHz when the warm-up takes all its 1150 steps (6.5 of them).
+cores: 9.5 on a 2-core Xeon at 2.5 GHz for seed 0 (its warm-up: 895 steps, 5.6 minutes), 9.8 when
+the warm-up takes all its 1150 steps.
 """
 
 import ml_collections
