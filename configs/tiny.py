@@ -2,42 +2,46 @@
 
 The task: "What is (47*38)?". The product is beyond the model's mental arithmetic, so an answer is
 right only if the model copies both factors into `print(47*38)`, calls the tool and copies its
-output into `\\boxed{}`. A 4-layer, width-128 Qwen3 over bytes (0.87M parameters) with no system
+output into `\\boxed{}`. A one-layer, width-128 Qwen3 over bytes (0.28M parameters) with no system
 turn (the `bare` template: every prompt byte is compute) learns this in a two-stage SFT warm-up:
 
 1. Correct tool use only, at a constant 1e-2 after the warm-up, until the copy holds: the stage
-   ends once its last 50 steps' mean loss is under 0.002 (`sft.advance_loss`), at step 1000 (its
-   4000 conversations) at the latest. Copying digits from the question is a circuit that appears in
-   a phase change, at a step that varies with the seed: ending the stage there, rather than at a
-   fixed step, makes every seed copy before RL starts without making every run wait for the
-   slowest seed. The copy needs unique problems: 512 problems repeated over epochs are memorised
-   instead and the copy never forms. A mixture of behaviours from the start delays it past the
-   budget, and so does a cosine schedule, whose rate has mostly decayed by then. AdamW's
-   second-moment decay is 0.95 here (`sft.b2`), not 0.999: the first 100 steps learn the
-   conversations' fixed text with gradient norms of 2 to 4 (clipped to 1) against about 0.15
-   after, and 0.999 averages squared gradients over about 1000 steps, so it kept the steps small
-   long after. With 0.95, and the factors written without spaces (see `product` in
-   rstar_jax/data/synthetic.py), it ended at steps 606, 675 and 785 on seeds 2, 4 and 1; seed 0 formed
-   the copy just at the cap and seed 3 not by then (benchmarks/RESULTS.md).
+   ends once its last 50 steps' mean loss is under 0.002 (`sft.advance_loss`), at step 2000 (its
+   8000 conversations) at the latest. The model copies by distance: an attention head reads the
+   character a fixed number of positions back, which the fixed wording makes the same for every
+   problem (moving the reply one position further from the question drops the exact copies from
+   1.00 to 0.02; benchmarks/copy_heads.py). That head appears in a phase change whose step varies
+   with the seed, the data order and even the last bits of the arithmetic. With four layers it
+   came anywhere from step 424 to past 1500, and one seed in five missed a 1000-step cap; with
+   one layer, where no other layer's heads compete for the job and a step costs a quarter, it
+   ended between steps 291 and 1013 in 19 runs of 20 and at 1936 in one (benchmarks/RESULTS.md,
+   "One layer"); the cap is 2000. Ending the stage once it holds
+   makes every seed copy before RL starts without making every run wait for the slowest. The copy
+   needs unique problems: 512 problems repeated over epochs are memorised instead. A mixture of
+   behaviours from the start delays it, and so does a cosine schedule, whose rate has mostly
+   decayed by then. AdamW's second-moment decay is 0.95 here (`sft.b2`), not 0.999: the first 100
+   steps learn the conversations' fixed text with gradient norms of 2 to 4 (clipped to 1) against
+   about 0.15 after, and 0.999 averages squared gradients over about 1000 steps, so it kept the
+   steps small long after.
 2. 600 conversations (150 steps, over which the rate decays: the "wsd" schedule, laid out for the
-   planned 1150 steps; the steps stage 1 did not take are skipped in it too) mixing answers
+   planned 2150 steps; the steps stage 1 did not take are skipped in it too) mixing answers
    without the tool (a leading-digit estimate, so almost always wrong), correct tool use, and a broken
    call (a missing parenthesis) followed by its fix, weighted 2:1:1. With the decay, the warmed-up
    policy samples each behaviour about as often as this stage shows it. At a constant rate it samples
    whatever the last few batches showed.
 
 So RL starts from a policy that often skips the tool and sometimes recovers from a tool error: room
-to improve, and positive trajectories with tool errors for RoC to filter. 10% to 55% of held-out
-problems (by seed, where the copy formed) are solved at step 0, from the tool calls that copy
-correctly. 20 GRPO-RoC steps turn the policy to the tool: held-out pass@1 reaches 0.79 to 0.98 by
-step 10 and 0.965 to 1.000 by step 20 (benchmarks/RESULTS.md).
+to improve, and positive trajectories with tool errors for RoC to filter. 12% to 27% of held-out
+problems (by seed) are solved at step 0, from the tool calls that copy correctly. 20 GRPO-RoC steps
+turn the policy to the tool: held-out pass@1 ends at 0.922 to 0.996 over seeds 0 to 4
+(benchmarks/RESULTS.md).
 
 Held-out problems are drawn from their own seed and never appear among the RL or SFT problems.
 `train.eval_every` evaluates them (128 problems, 2 samples each) at steps 0, 10 and 20, with the same
 agentic loop as `python -m rstar_jax.evaluate`. Rollouts run on the in-process JaxEngine against a
 local sandbox server, which the launcher starts and stops. The run takes under 10 minutes on 2
-cores: 9.5 on a 2-core Xeon at 2.5 GHz for seed 0 (its warm-up: 895 steps, 5.6 minutes), 9.8 when
-the warm-up takes all its 1150 steps.
+cores: 4 to 5.5 on one core of a 2-core Xeon at 2.5 GHz (seeds 0 to 4), about 8 there when the
+warm-up takes all its 2150 steps.
 """
 
 import ml_collections
@@ -56,7 +60,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.model.param_dtype = "float32"
     c.model.remat_policy = "none"
     c.model.attention_impl = "xla"
-    c.model.overrides.num_layers = 4
+    c.model.overrides.num_layers = 1  # see the docstring: one layer copies soonest
     c.model.overrides.hidden_size = 128
     c.model.overrides.num_heads = 4
     c.model.overrides.num_kv_heads = 2
@@ -72,7 +76,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.synthetic.num_train = 512
     c.data.synthetic.num_eval = 128
     # (conversations, weights over (direct, tool, fix)) per SFT stage; see the docstring.
-    c.data.synthetic.sft_stages = ((4000, (0.0, 1.0, 0.0)), (600, (0.5, 0.25, 0.25)))
+    c.data.synthetic.sft_stages = ((8000, (0.0, 1.0, 0.0)), (600, (0.5, 0.25, 0.25)))
     c.data.num_prompts_per_step = 4
 
     c.rollout.template = "bare"
@@ -104,8 +108,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.sft.epochs = 1  # every conversation a new problem (see the docstring)
     c.sft.lr = 1e-2
     c.sft.schedule = "wsd"
-    c.sft.decay_ratio = 0.13  # the second stage's 150 steps of the 1150 planned
-    # Stage 1 ends once the copy holds (50 steps' mean loss under 0.002), at step 1000 at the latest.
+    c.sft.decay_ratio = 0.0698  # the second stage's 150 steps of the 2150 planned
+    # Stage 1 ends once the copy holds (50 steps' mean loss under 0.002), at step 2000 at the latest.
     c.sft.advance_loss = 0.002
     c.sft.advance_window = 50
     c.sft.b2 = 0.95  # see the docstring: the copy's phase change comes earlier

@@ -135,12 +135,11 @@ def last_digit_power(rng: random.Random, difficulty: int) -> Problem:
 
 
 def product(rng: random.Random, difficulty: int) -> Problem:
-    # Beyond a tiny model's mental arithmetic, one line for the tool. The expression is written as the
-    # call writes it, opening parenthesis included: a model copies by finding the token it just wrote
-    # earlier in the context and taking what followed (an induction head), and "(" starts that chain.
-    # No spaces: each factor's first digit then follows "(" or "*", which the question holds once. In
-    # "(47 * 38)" the 3 follows " ", which it holds four times, and warm-ups stalled on that digit.
-    # Factors of one width whose products all have twice as many digits keep every answer one length.
+    # Beyond a tiny model's mental arithmetic, one line for the tool, written as the call writes it.
+    # The tiny runs' warm-ups learn to copy by distance, not by content: a first-layer head reads the
+    # character a fixed number of positions back (benchmarks/copy_heads.py). One fixed wording and
+    # factors of one width, whose products all have twice as many digits, keep every source at one
+    # distance from its copy; a probe with ten wordings, which vary it, formed the copy later.
     low, high = {1: (32, 99), 2: (317, 999), 3: (3163, 9999)}[difficulty]
     a, b = rng.randint(low, high), rng.randint(low, high)
     return Problem("product", f"What is ({a}*{b})?", a * b, f"print({a}*{b})")

@@ -141,7 +141,7 @@ def test_every_recipe_value_cites_the_spec():
 def test_tiny_config_describes_a_tiny_model():
     config = _load("tiny")
     model = resolve.model_config(config)
-    assert (model.num_layers, model.hidden_size, model.max_position_embeddings) == (4, 128, 1024)
+    assert (model.num_layers, model.hidden_size, model.max_position_embeddings) == (1, 128, 1024)
     assert config.mode == "rl" and config.rollout.template == "bare" and config.data.synthetic.kinds == ("product",)
     # Held-out evaluation where RL starts, midway and at the end.
     assert (config.train.steps, config.train.eval_every) == (20, 10)

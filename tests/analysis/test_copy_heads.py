@@ -1,0 +1,46 @@
+"""benchmarks/copy_heads.py: its layer-by-layer attention reproduces the model's own logits (else it
+prints nothing), and it reports every head of every layer and the moved-reply check."""
+
+import importlib.util
+import pathlib
+import re
+import sys
+
+import pytest
+from flax import nnx
+
+from rstar_jax.model.config import Qwen3Config
+from rstar_jax.model.hf import save_pretrained
+from rstar_jax.model.qwen3 import Qwen3
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "copy_heads.py"
+
+
+@pytest.fixture(scope="module")
+def copy_heads():
+    spec = importlib.util.spec_from_file_location("copy_heads_under_test", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop(spec.name, None)
+
+
+def test_reports_every_head_from_a_recomputation_that_matches_the_model(copy_heads, tmp_path, capsys):
+    config = Qwen3Config.tiny(num_layers=2)  # byte ids < 320; two layers: the residual carries over
+    save_pretrained(Qwen3(config, rngs=nnx.Rngs(3)), tmp_path / "hf")
+    assert copy_heads.main([str(tmp_path / "hf"), "--problems", "4"]) == 0
+    out = capsys.readouterr().out
+    heads = re.findall(r"layer (\d) head (\d): call (\d\.\d\d)  answer (\d\.\d\d)", out)
+    assert [(int(layer), int(head)) for layer, head, *_ in heads] == [(l, h) for l in range(2) for h in range(4)]
+    assert re.search(r"copy accuracy: call \d\.\d{3}, answer \d\.\d{3}", out)
+    assert re.search(r"one position further from the question: call \d\.\d{3}, answer \d\.\d{3}", out)
+
+
+def test_a_recomputation_that_differs_from_the_model_is_refused(copy_heads, tmp_path, capsys, monkeypatch):
+    config = Qwen3Config.tiny(num_layers=1)
+    save_pretrained(Qwen3(config, rngs=nnx.Rngs(4)), tmp_path / "hf")
+    # The rotary embedding left out of the recomputation: the scores change, and so do the logits.
+    monkeypatch.setattr(copy_heads, "rope", lambda x, positions, theta: x)
+    assert copy_heads.main([str(tmp_path / "hf"), "--problems", "4"]) == 1
+    assert "recomputed logits differ" in capsys.readouterr().err
