@@ -158,7 +158,7 @@ def test_two_process_run_equals_the_one_process_run_and_resumes_after_a_kill(tin
     import transformers
 
     exported = transformers.AutoModelForCausalLM.from_pretrained(two / "hf" / "final", torch_dtype=torch.float32)
-    assert exported.config.num_hidden_layers == 4
+    assert exported.config.num_hidden_layers == 1  # configs/tiny.py's depth
     a, b = load_file(str(two / "hf" / "final" / "model.safetensors")), load_file(str(one / "hf" / "final" / "model.safetensors"))
     assert a.keys() == b.keys()
     for key in a:
