@@ -120,9 +120,8 @@ def main(argv=None) -> int:
     print("attention from the position before each copied token to its source (mean), per head:")
     for layer, w in enumerate(weights):
         for head in range(w.shape[1]):
-            to_source = [[w[i, head, dst - 1, src] for src, dst in row[which]] for which in (1, 2) for i, row in enumerate(rows)]
-            call = np.mean([a for a in to_source[:len(rows)] for a in a])
-            answer = np.mean([a for a in to_source[len(rows):] for a in a])
+            call, answer = (np.mean([w[i, head, dst - 1, src] for i, row in enumerate(rows) for src, dst in row[which]])
+                            for which in (1, 2))
             mark = "  <- copies" if max(call, answer) > 0.2 else ""
             print(f"  layer {layer} head {head}: call {call:.2f}  answer {answer:.2f}{mark}")
 
