@@ -297,6 +297,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.sandbox.verify_via = "sandbox"  # "sandbox" (Verify RPC) | "local" (process pool)
     # Seconds one reward verification may take before it scores 0 (RL and evaluation alike); our choice.
     c.sandbox.verify_timeout_s = 10.0
+    # A noisy environment, for experiments (benchmarks/roc_effect.py): the local sandbox answers this
+    # share of tool calls as timeouts without running them (seeded by `seed`); 0: none.
+    c.sandbox.inject_timeout_rate = 0.0
 
     # How the policy reaches SGLang(-compatible) servers after each update (rollout.backend="sglang";
     # the in-process engine swaps its parameters in place). rstar_jax/train/weight_sync.py explains.

@@ -43,6 +43,10 @@ def parse_args(argv=None) -> tuple[ServerOptions, argparse.Namespace]:
     p.add_argument("--preimport", action="append", default=[], metavar="MODULE",
                    help="a module the sci workers pre-import beside numpy, sympy and mpmath, and the start-up "
                         "self-test checks tool code can import (repeat, or separate with commas)")
+    p.add_argument("--inject-timeout-rate", type=float, default=d.inject_timeout_rate, metavar="RATE",
+                   help="experiments on noisy environments: answer this share of executions as a timeout "
+                        "without running them (default %(default)s)")
+    p.add_argument("--inject-seed", type=int, default=d.inject_seed, help="seeds --inject-timeout-rate's draws")
     p.add_argument("--parent-pid", type=int, help="stop when this process exits")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
@@ -51,6 +55,7 @@ def parse_args(argv=None) -> tuple[ServerOptions, argparse.Namespace]:
                          max_queue=a.max_queue, output_limit_bytes=a.output_limit_bytes,
                          verify_timeout_s=a.verify_timeout_s, scratch_mb=a.scratch_mb, pids_max=a.pids_max,
                          isolation=a.isolation, uid_base=a.uid_base, http_port=a.http_port,
+                         inject_timeout_rate=a.inject_timeout_rate, inject_seed=a.inject_seed,
                          preimports=tuple(m.strip() for arg in a.preimport for m in arg.split(",") if m.strip()))
     try:
         opts.validate()

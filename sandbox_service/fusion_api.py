@@ -261,7 +261,7 @@ def make_app(pool: Pool) -> web.Application:
         if not pool.try_admit():
             return _detail(504, pool.full_message(), headers={"Retry-After": str(RETRY_AFTER_S)})
         # try_admit counted this call; Pool.run releases it
-        header, out = await pool.run("exec", flavour, blobs, timeout, memory, options)
+        header, out = await pool.run("exec", flavour, blobs, timeout, memory, options, injectable=True)
         pool.counters[header["status"]] = pool.counters.get(header["status"], 0) + 1
         return web.json_response(response(header, out, options["stream_cap_chars"]))
 

@@ -30,7 +30,7 @@ from sandbox_service._pb import pb2, pb2_grpc
 
 _FLAGS = {"host", "slots", "timeout_s", "max_timeout_s", "memory_mb", "max_memory_mb", "max_queue",
           "output_limit_bytes", "verify_timeout_s", "scratch_mb", "pids_max", "isolation", "uid_base", "log_level",
-          "preimport"}
+          "preimport", "inject_timeout_rate", "inject_seed"}
 
 
 class LocalSandbox:

@@ -24,8 +24,10 @@ import itertools
 import logging
 import math
 import os
+import random
 import re
 import secrets
+import signal
 import socket
 import sys
 import time
@@ -77,6 +79,11 @@ class ServerOptions:
     # Modules the "sci" workers pre-import beside numpy, sympy and mpmath; the start-up self-test
     # checks that tool code imports each, and a call naming one runs on "sci".
     preimports: tuple[str, ...] = ()
+    # For experiments on noisy environments (off by default): this share of executions is answered as a
+    # wall-clock timeout without running, as a loaded fleet does (a worker_timeout in the release),
+    # drawn from a generator seeded with `inject_seed`. Not retryable: the policy sees it.
+    inject_timeout_rate: float = 0.0
+    inject_seed: int = 0
 
     @functools.cached_property
     def sci_names(self) -> re.Pattern:
@@ -94,7 +101,8 @@ class ServerOptions:
                   ("uid_base", self.uid_base is None or 1000 < self.uid_base < 2**31 - 2 * self.workers * self.slots),
                   ("slots", self.uid_base is not None or 2 * self.workers * self.slots < UID_STRIDE),
                   ("http_port", self.http_port is None or (isinstance(self.http_port, int)
-                                                           and 0 <= self.http_port <= 65535))]
+                                                           and 0 <= self.http_port <= 65535)),
+                  ("inject_timeout_rate", 0 <= self.inject_timeout_rate < 1)]
         bad = [name for name, ok in checks if not ok]
         if bad:
             raise ValueError(f"invalid server options: {', '.join(f'{b}={getattr(self, b)!r}' for b in bad)}")
@@ -274,7 +282,8 @@ class Pool:
         self.seq = itertools.count()
         self.in_flight = 0
         self.counters: dict[str, int] = {s: 0 for s in status.ALL}
-        self.counters.update(worker_restarts=0, retried=0, verify_calls=0)
+        self.counters.update(worker_restarts=0, retried=0, verify_calls=0, injected_timeouts=0)
+        self._injector = random.Random(options.inject_seed)
         self._tasks: list[asyncio.Task] = []
         self.import_checks: list[selftest.ImportCheck] = []  # the start-up self-test's
 
@@ -347,11 +356,16 @@ class Pool:
         return True
 
     async def run(self, kind: str, flavour: str, blobs: list[bytes], timeout_s: float, memory_mb: int,
-                  options: dict | None = None):
-        """Runs an admitted job; returns the worker's (header, blobs). Releases the admission."""
+                  options: dict | None = None, *, injectable: bool = False):
+        """Runs an admitted job; returns the worker's (header, blobs). Releases the admission.
+        `injectable`: a client's execution, which `inject_timeout_rate` may answer without running."""
         job = Job(kind, flavour, blobs, timeout_s, memory_mb, asyncio.get_running_loop().create_future(),
                   options=options or {})
         try:
+            if injectable and self.options.inject_timeout_rate and \
+                    self._injector.random() < self.options.inject_timeout_rate:
+                self.counters["injected_timeouts"] += 1
+                return _injected_timeout(timeout_s, job.options.get("error_format", ""))
             self.queues[flavour].put_nowait((1, next(self.seq), job))
             return await job.future
         finally:
@@ -383,6 +397,14 @@ class Pool:
             if not job.future.done():
                 result[0]["worker"] = worker.name
                 job.future.set_result(result)
+
+
+def _injected_timeout(timeout_s: float, error_format: str) -> tuple[dict, list[bytes]]:
+    """What a call killed at its wall-clock limit reports (calls.call_result), for a call not run."""
+    note = b"" if error_format == "release" else f"\n[killed: wall-clock limit of {timeout_s:g} s exceeded]\n".encode()
+    return ({"status": status.TIMEOUT, "exit_code": -signal.SIGKILL, "duration_s": timeout_s, "cpu_s": 0.0,
+             "stdout_truncated": False, "stderr_truncated": False,
+             "message": "injected (--inject-timeout-rate): not run"}, [b"", note])
 
 
 def _error_header(message: str) -> tuple[dict, list[bytes]]:
@@ -465,7 +487,7 @@ class SandboxServicer(pb2_grpc.SandboxServicer):
 
     async def _execute_admitted(self, req) -> pb2.ExecuteResult:
         blobs, timeout, memory, flavour, options = self._exec_args(req)
-        header, out = await self.pool.run("exec", flavour, blobs, timeout, memory, options)
+        header, out = await self.pool.run("exec", flavour, blobs, timeout, memory, options, injectable=True)
         return self._to_result(req.request_id, header, out)
 
     # -- RPCs ----------------------------------------------------------------------------------------

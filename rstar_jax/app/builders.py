@@ -400,9 +400,10 @@ def sandbox(config) -> Iterator[list[str]]:
         return
     env = resolve.tool_env(config)
     fusion = s.api == "sandbox_fusion"
+    noise = {"inject_timeout_rate": s.inject_timeout_rate, "inject_seed": config.seed} if s.inject_timeout_rate else {}
     with LocalSandbox(workers=s.workers, memory_mb=env.memory_mb, timeout_s=env.timeout_s,
                       verify_timeout_s=s.verify_timeout_s, http_port=0 if fusion else None,
-                      preimport=tuple(s.preimport_modules)) as local:
+                      preimport=tuple(s.preimport_modules), **noise) as local:
         yield [local.http_url if fusion else local.target]
 
 

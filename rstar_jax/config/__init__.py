@@ -673,6 +673,10 @@ def _check_values(check: Checker) -> None:
                       "sandbox.memory_address_space=True or sandbox.preset='release'")
     check.require(not (s.launch_local and targets), "sandbox.launch_local",
                   "set it to False when sandbox.targets lists running servers")
+    if check.range("sandbox.inject_timeout_rate", 0.0, 1.0, high_open=True) and s.inject_timeout_rate > 0:
+        check.require(s.launch_local is True, "sandbox.inject_timeout_rate",
+                      "is a flag of the local sandbox server the launcher starts (sandbox.launch_local=True); "
+                      "start a running server with --inject-timeout-rate instead")
     if config.mode in ("rl", "eval") and check.ok("sandbox.targets"):
         check.require(s.launch_local or len(targets) > 0, "sandbox.targets",
                       "tool calls need a sandbox: list targets or set sandbox.launch_local=True")

@@ -77,6 +77,23 @@ def test_sandbox_limits_and_the_verifier_timeout_reach_every_tool_call():
         assert asyncio.run(flood(roomy)) == "x" * 5000 + "\n"
 
 
+@pytest.mark.slow
+def test_sandbox_inject_timeout_rate_reaches_the_local_sandbox():
+    """sandbox.inject_timeout_rate (noisy-environment experiments) is the local server's flag: its
+    share of the rollout loop's calls come back as timeouts, not run."""
+    async def statuses(config, targets):
+        async with builders.rollout_resources(config, targets, urls=[url]) as resources:
+            options = resolve.loop_config(config).tool_env.sandbox_options()
+            return [(await resources.client.execute("print(1)", **options)) for _ in range(30)]
+
+    noisy = _config(**{"sandbox.inject_timeout_rate": 0.5})
+    with builders.sandbox(noisy) as targets, health_server() as (url, _):
+        results = asyncio.run(statuses(noisy, targets))
+    timeouts = [r for r in results if r.status == "timeout"]
+    assert 3 <= len(timeouts) <= 27 and all("injected" in r.message for r in timeouts)
+    assert all(r.stdout == "1\n" for r in results if r.status != "timeout")
+
+
 def test_the_policy_and_its_settings_follow_the_mesh():
     config = _config(**{"mesh.fsdp": 4, "mesh.data": 2, "rl.micro_batch_tokens": 1000})
     model, mesh = builders.build_policy(config)

@@ -220,6 +220,9 @@ def test_tiny_config_describes_a_tiny_model():
     ({"sandbox.verify_timeout_s": 0.0}, r"config.sandbox.verify_timeout_s: must be > 0 and at most 300 s "
                                         r"with sandbox.launch_local=True: the local sandbox server refuses longer "
                                         r"calls \(its --max_timeout_s\), got 0.0"),
+    ({"sandbox.inject_timeout_rate": 1.0}, r"config.sandbox.inject_timeout_rate: must be"),
+    ({"sandbox.inject_timeout_rate": 0.1, "sandbox.launch_local": False, "sandbox.targets": ("127.0.0.1:1",)},
+     r"config.sandbox.inject_timeout_rate: is a flag of the local sandbox server the launcher starts"),
     ({"sandbox.preset": "code-judge"}, r"config.sandbox.preset: must be one of \('release', 'rich'\)"),
     ({"sandbox.memory_mb": 8}, r"config.sandbox.memory_mb: must be an integer >= 16, got 8"),
     ({"sandbox.error_format": "short"}, r"config.sandbox.error_format: must be one of \('traceback', 'release'\)"),

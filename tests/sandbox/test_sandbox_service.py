@@ -231,3 +231,37 @@ def test_client_rejects_bad_arguments():
         SandboxClient("127.0.0.1:1", stream_cap_chars=-5)
     with pytest.raises(ValueError, match="unknown server options"):
         LocalSandbox(workers=1, bogus=1)
+
+
+def test_injected_timeouts_answer_their_share_without_running_and_never_touch_verify():
+    """--inject-timeout-rate (noisy-environment experiments): the chosen calls come back as the
+    timeouts a loaded fleet gives, not retried by the client (the policy is meant to see them), the
+    others run; the same seed draws the same sequence; verification is never injected."""
+    async def go(sb) -> tuple[list, object, object]:
+        async with SandboxClient(sb.target) as client:
+            results = [await client.execute(f"print({i})", timeout_s=2.0) for i in range(40)]
+            verified = [await client.verify("\\boxed{3}", "3") for _ in range(5)]
+            return results, verified, await client.info()
+
+    runs = []
+    for _ in range(2):
+        with LocalSandbox(workers=1, slots=2, timeout_s=5.0, inject_timeout_rate=0.4, inject_seed=7) as sb:
+            runs.append(asyncio.run(go(sb)))
+    (results, verified, info), (again, _, _) = runs
+    injected = [r.status == status.TIMEOUT for r in results]
+    assert 5 <= sum(injected) <= 30 and info.counters["injected_timeouts"] == sum(injected)
+    assert injected == [r.status == status.TIMEOUT for r in again]  # calls made one at a time: same draws
+    for i, r in enumerate(results):
+        if r.status == status.TIMEOUT:
+            assert r.stdout == "" and "wall-clock limit of 2 s" in r.stderr and "injected" in r.message
+            assert r.attempts == 1  # not retried: a timeout is the call's own outcome
+        else:
+            assert (r.status, r.stdout) == (status.OK, f"{i}\n")
+    assert all(v.status == "ok" and v.correct for v in verified)
+
+
+def test_inject_timeout_rate_out_of_range_is_refused():
+    from sandbox_service.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--port", "0", "--inject-timeout-rate", "1.0"])
