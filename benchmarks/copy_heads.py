@@ -19,6 +19,7 @@ recomputation reproduces the model's own logits before it prints anything.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 
 import jax
@@ -27,20 +28,29 @@ import numpy as np
 
 from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import ByteTokenizer
+from rstar_jax.agent.tool_calls import format_observation
 from rstar_jax.data.synthetic import held_out_problems, sft_conversation
 from rstar_jax.model.hf import load_pretrained
 from rstar_jax.model.qwen3 import rms_norm, rope
 from rstar_jax.train.sft import conversation_ids
 
 
-def conversations(num: int, seed: int, tool_name: str):
-    """Token ids of `num` tool-use conversations and, per conversation, the (source, copy) token
-    positions of the call's expression and of the answer, and where the first reply starts."""
+def conversations(num: int, seed: int, tool_name: str, behaviour: str = "tool", error_format: str = "traceback",
+                  observation_chars: int = 64, fix_bug: str = "unclosed"):
+    """Token ids of `num` held-out conversations of `behaviour` ("tool", or "fix": a failed call, its
+    error as the paper-style observation of `observation_chars` shows it, then the call again) and,
+    per conversation, the (source, copy) token positions of each copy (`call`: the question's
+    expression into the first call; `answer`: the tool's output into the boxed answer; for "fix",
+    `fix`: the expression's last occurrence before the second call, in the error, into that call),
+    and the token at which the reply that holds the probed copy starts (the first reply, or for
+    "fix" the second)."""
     tokenizer, template = ByteTokenizer(), ChatTemplate.bare(tool_name)
+    observation = functools.partial(format_observation, style="paper", max_chars=observation_chars)
     rows = []
     for problem in held_out_problems(num_eval=num, seed=seed, kinds=("product",), difficulty=1):
-        ids, _ = conversation_ids(template, tokenizer, sft_conversation(problem, tool_name=tool_name, behaviour="tool"),
-                                  "rstar2")
+        messages = sft_conversation(problem, tool_name=tool_name, behaviour=behaviour, error_format=error_format,
+                                    fix_bug=fix_bug, format_observation=observation)
+        ids, _ = conversation_ids(template, tokenizer, messages, "rstar2")
         pieces = [tokenizer.decode([i]) for i in ids]
         text = "".join(pieces)
         starts = np.cumsum([0] + [len(p) for p in pieces])
@@ -48,21 +58,30 @@ def conversations(num: int, seed: int, tool_name: str):
         def token_at(char: int) -> int:
             return int(np.searchsorted(starts, char, side="right") - 1)
 
+        def copy(source: int, target: int, length: int) -> list[tuple[int, int]]:
+            return [(token_at(source + k), token_at(target + k)) for k in range(length)]
+
         expression = problem.question[problem.question.index("(") + 1:problem.question.index(")")]
-        question_at = text.index(expression)
-        call_at = text.index("print(" + expression) + len("print(")
         answer = str(problem.answer)
-        output_at = text.index("<tool_response>\n") + len("<tool_response>\n")
+        calls = [at + len("print(") for at in _occurrences(text, "print(" + expression)]
+        output_at = text.rindex("<tool_response>\n") + len("<tool_response>\n")
         boxed_at = text.index("\\boxed{") + len("\\boxed{")
-        call = [(token_at(question_at + k), token_at(call_at + k)) for k in range(len(expression))]
-        boxed = [(token_at(output_at + k), token_at(boxed_at + k)) for k in range(len(answer))]
-        reply = token_at(text.index("<|im_start|>assistant"))
-        rows.append((ids, call, boxed, reply))
+        copies = {"call": copy(text.index(expression), calls[0], len(expression)),
+                  "answer": copy(output_at, boxed_at, len(answer))}
+        replies = _occurrences(text, "<|im_start|>assistant")
+        if behaviour == "fix":
+            echo = max(at for at in _occurrences(text, expression) if at < calls[-1])
+            copies["fix"] = copy(echo, calls[-1], len(expression))
+        rows.append((ids, copies, token_at(replies[1 if behaviour == "fix" else 0])))
     length = max(len(row[0]) for row in rows)
     tokens = np.zeros((len(rows), length), np.int32)
     for i, (ids, *_) in enumerate(rows):
         tokens[i, :len(ids)] = ids
     return tokens, rows
+
+
+def _occurrences(text: str, part: str) -> list[int]:
+    return [at for at in range(len(text)) if text.startswith(part, at)]
 
 
 def attention_by_layer(model, tokens: jax.Array, positions: jax.Array):
@@ -90,9 +109,9 @@ def attention_by_layer(model, tokens: jax.Array, positions: jax.Array):
     return weights, np.asarray(logits)
 
 
-def copy_accuracy(predicted: np.ndarray, tokens: np.ndarray, rows, which: int) -> float:
-    """Share of conversations whose every copied token (call: which=1, answer: which=2) is predicted."""
-    return float(np.mean([all(predicted[i, dst - 1] == tokens[i, dst] for _, dst in row[which])
+def copy_accuracy(predicted: np.ndarray, tokens: np.ndarray, rows, name: str) -> float:
+    """Share of conversations whose every token of copy `name` is predicted."""
+    return float(np.mean([all(predicted[i, dst - 1] == tokens[i, dst] for _, dst in row[1][name])
                           for i, row in enumerate(rows)]))
 
 
@@ -102,10 +121,17 @@ def main(argv=None) -> int:
     parser.add_argument("--problems", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0, help="the held-out problems' seed (data.synthetic.seed)")
     parser.add_argument("--tool-name", default="python", help="rollout.tool_name of the run")
+    parser.add_argument("--behaviour", choices=("tool", "fix"), default="tool",
+                        help="fix: a failed call, its error and the call again (benchmarks/roc_effect.py's recovery)")
+    parser.add_argument("--error-format", default="traceback", help="sandbox.error_format of the run (fix)")
+    parser.add_argument("--observation-chars", type=int, default=64, help="rollout.observation_max_chars of the run")
+    parser.add_argument("--fix-bug", default="unclosed", help="data.synthetic.fix_bug of the run (fix)")
     args = parser.parse_args(argv)
 
     model = load_pretrained(args.hf_dir)
-    tokens, rows = conversations(args.problems, args.seed, args.tool_name)
+    tokens, rows = conversations(args.problems, args.seed, args.tool_name, args.behaviour, args.error_format,
+                                 args.observation_chars, args.fix_bug)
+    names = list(rows[0][1])
     x = jnp.asarray(tokens)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     weights, logits = attention_by_layer(model, x, positions)
@@ -115,22 +141,24 @@ def main(argv=None) -> int:
         return 1
     predicted = reference.argmax(-1)
 
-    print(f"{args.hf_dir}: {len(rows)} held-out conversations, teacher-forced")
-    print(f"copy accuracy: call {copy_accuracy(predicted, tokens, rows, 1):.3f}, answer {copy_accuracy(predicted, tokens, rows, 2):.3f}")
+    print(f"{args.hf_dir}: {len(rows)} held-out {args.behaviour} conversations, teacher-forced")
+    print("copy accuracy: " + ", ".join(f"{name} {copy_accuracy(predicted, tokens, rows, name):.3f}" for name in names))
     print("attention from the position before each copied token to its source (mean), per head:")
     for layer, w in enumerate(weights):
         for head in range(w.shape[1]):
-            call, answer = (np.mean([w[i, head, dst - 1, src] for i, row in enumerate(rows) for src, dst in row[which]])
-                            for which in (1, 2))
-            mark = "  <- copies" if max(call, answer) > 0.2 else ""
-            print(f"  layer {layer} head {head}: call {call:.2f}  answer {answer:.2f}{mark}")
+            means = [np.mean([w[i, head, dst - 1, src] for i, row in enumerate(rows) for src, dst in row[1][name]])
+                     for name in names]
+            mark = "  <- copies" if max(means) > 0.2 else ""
+            print(f"  layer {layer} head {head}: " + "  ".join(f"{name} {m:.2f}" for name, m in zip(names, means)) + mark)
 
-    # The first reply and everything after it one position further away: content unchanged.
-    reply = np.array([row[3] for row in rows])
+    # The probed reply (the first, or the fix's) and everything after it one position further away:
+    # content unchanged.
+    reply = np.array([row[2] for row in rows])
     shifted = positions + (positions >= reply[:, None]).astype(jnp.int32)
     moved = np.asarray(model(x, shifted)).argmax(-1)
-    print(f"with the first reply and all after it one position further from the question: call "
-          f"{copy_accuracy(moved, tokens, rows, 1):.3f}, answer {copy_accuracy(moved, tokens, rows, 2):.3f}")
+    where = "the first reply and all after it one position further from the question" if args.behaviour == "tool" else \
+        "the second call's reply and all after it one position further from the error"
+    print(f"with {where}: " + ", ".join(f"{name} {copy_accuracy(moved, tokens, rows, name):.3f}" for name in names))
     return 0
 
 

@@ -19,6 +19,9 @@ questions, same samples drawn per question) at step 0, every `--eval-every` step
   (`rollout.local_servers=1`) holding the policy in bfloat16 (`weight_sync.dtype=bfloat16`)
   while the trainer computes in float32, as SGLang beside an fp32 trainer; without and with the
   correction;
+- `roc_noisy`, `grpo_noisy`: `roc` and `grpo` in a noisy environment: the local sandbox answers 10%
+  of the tool calls (RL and held-out alike) as timeouts without running them
+  (`sandbox.inject_timeout_rate`), as a loaded fleet does;
 - `async1`, `async2`: asynchronous RL (`rl.max_staleness` 1 and 2) on the in-process engine
   (colocated), with its default token-level rollout correction; `roc` is their K = 0;
 - `async1_servers`, `sync_servers`: K = 1 and K = 0 with two `rstar_jax.serve` servers
@@ -42,6 +45,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -58,6 +62,8 @@ VARIANTS = {
     "bf16": ["--config.rollout.backend=sglang", "--config.rollout.local_servers=1", "--config.weight_sync.dtype=bfloat16"],
     "bf16_tis": ["--config.rollout.backend=sglang", "--config.rollout.local_servers=1", "--config.weight_sync.dtype=bfloat16",
                  "--config.rl.rollout_is=token"],
+    "roc_noisy": ["--config.sandbox.inject_timeout_rate=0.1"],
+    "grpo_noisy": ["--config.rollout.rollouts_per_prompt={group}", "--config.sandbox.inject_timeout_rate=0.1"],
     "async1": ["--config.rl.max_staleness=1"],
     "async2": ["--config.rl.max_staleness=2"],
     "async1_servers": ["--config.rl.max_staleness=1", "--config.rollout.backend=sglang", "--config.rollout.local_servers=2",
@@ -72,15 +78,19 @@ ROLLOUT_CURVES = ("rollout/reward_mean", "rollout/tool_error_rate_positive", "mi
                   "drift/logprob_abs_mean", "async/staleness_mean")
 
 
-def launch(args: list[str], log: pathlib.Path) -> float:
-    """Runs the launcher; returns its wall time. One CPU device, as users run it."""
+def launch(args: list[str], log: pathlib.Path, cpus: frozenset[int] | None = None) -> float:
+    """Runs the launcher; returns its wall time. One CPU device, as users run it; `cpus`: the cores
+    it (and the sandbox it starts) may run on."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     t0 = time.perf_counter()
     with open(log, "w") as f:
-        done = subprocess.run([sys.executable, "-m", "rstar_jax.launch", *args], cwd=REPO, env=env, stdout=f,
-                              stderr=subprocess.STDOUT)
-    if done.returncode:
-        raise SystemExit(f"launcher failed ({done.returncode}), see {log}")
+        process = subprocess.Popen([sys.executable, "-m", "rstar_jax.launch", *args], cwd=REPO, env=env, stdout=f,
+                                   stderr=subprocess.STDOUT)
+        if cpus:  # before its interpreter has started the threads and the sandbox that would inherit the set
+            os.sched_setaffinity(process.pid, cpus)
+        returncode = process.wait()
+    if returncode:
+        raise SystemExit(f"launcher failed ({returncode}), see {log}")
     return time.perf_counter() - t0
 
 
@@ -97,10 +107,12 @@ def curves(run_dir: pathlib.Path) -> dict[str, list[float]]:
 
 
 def run(config_path: str, *, seeds: Sequence[int], variants: Sequence[str], out: pathlib.Path, steps: int = 0,
-        eval_every: int = 0, common: Sequence[str] = ()) -> dict:
+        eval_every: int = 0, common: Sequence[str] = (), jobs: int = 1) -> dict:
     """Every seed's SFT warm-up, then every variant from it; returns every run's curves and, per
     variant, their mean and standard deviation over seeds (`summary`). `common`: overrides every
-    launch (SFT and RL) takes."""
+    launch (SFT and RL) takes. `jobs`: launches at once, each on its own share of this process's
+    cores where there are enough to share; a free one takes the earliest seed's next variant whose
+    warm-up is done, else the next warm-up."""
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO))
     from rstar_jax.config import load_config_file
@@ -110,30 +122,91 @@ def run(config_path: str, *, seeds: Sequence[int], variants: Sequence[str], out:
     eval_every = eval_every or config.train.eval_every or steps
     common = [f"--config={config_path}", "--config.metrics.progress_bar=false", *common]
     shown = os.path.relpath(config_path, REPO) if pathlib.Path(config_path).resolve().is_relative_to(REPO) else config_path
-    results: dict = {"config": shown, "overrides": common[2:], "steps": steps, "eval_every": eval_every, "runs": {}}
-    for seed in seeds:
-        warm_dir = out / f"sft_seed{seed}"
-        if not (warm_dir / "hf" / "final" / "config.json").exists():
-            seconds = launch([*common, "--config.mode=sft", f"--config.seed={seed}", f"--config.run_dir={warm_dir}",
-                              "--config.checkpoint.export_hf_every=0",
-                              f"--config.checkpoint.every_steps={10 ** 6}"], out / f"sft_seed{seed}.log")
-            results.setdefault("sft_seconds", {})[str(seed)] = seconds
-            print(f"seed {seed}: SFT warm-up {seconds:.0f}s", flush=True)
-        for variant in variants:
-            run_dir = out / f"{variant}_seed{seed}"
-            extra = [a.format(group=config.rl.group_size) for a in VARIANTS[variant]]
-            if (run_dir / "hf" / "final" / "config.json").exists():  # finished earlier: report it again
-                seconds = float("nan")
-            else:
-                seconds = launch([*common, *extra, f"--config.seed={seed}", f"--config.run_dir={run_dir}",
-                                  f"--config.model.hf_path={warm_dir / 'hf' / 'final'}", "--config.sft.before_rl=False",
-                                  f"--config.train.steps={steps}", f"--config.train.eval_every={eval_every}"],
-                                 out / f"{variant}_seed{seed}.log")
-            run = curves(run_dir)
-            results["runs"].setdefault(variant, []).append({"seed": seed, "seconds": seconds, **run})
-            print(f"seed {seed} {variant:8s} pass@1 {run['eval/pass@1'][0]:.3f} -> {run['eval/pass@1'][-1]:.3f}"
-                  f"  positive tool-error rate {run['eval/tool_error_rate_positive'][0]:.3f} -> "
-                  f"{run['eval/tool_error_rate_positive'][-1]:.3f}  ({seconds:.0f}s)", flush=True)
+    results: dict = {"config": shown, "overrides": common[2:], "steps": steps, "eval_every": eval_every, "jobs": jobs,
+                     "runs": {}}
+
+    def warm_dir(seed: int) -> pathlib.Path:
+        return out / f"sft_seed{seed}"
+
+    def warm_up(seed: int, cpus) -> None:
+        seconds = launch([*common, "--config.mode=sft", f"--config.seed={seed}", f"--config.run_dir={warm_dir(seed)}",
+                          "--config.checkpoint.export_hf_every=0", f"--config.checkpoint.every_steps={10 ** 6}"],
+                         out / f"sft_seed{seed}.log", cpus)
+        results.setdefault("sft_seconds", {})[str(seed)] = seconds
+        print(f"seed {seed}: SFT warm-up {seconds:.0f}s", flush=True)
+
+    def train(seed: int, variant: str, cpus) -> dict:
+        run_dir = out / f"{variant}_seed{seed}"
+        extra = [a.format(group=config.rl.group_size) for a in VARIANTS[variant]]
+        if (run_dir / "hf" / "final" / "config.json").exists():  # finished earlier: report it again
+            seconds = float("nan")
+        else:
+            seconds = launch([*common, *extra, f"--config.seed={seed}", f"--config.run_dir={run_dir}",
+                              f"--config.model.hf_path={warm_dir(seed) / 'hf' / 'final'}", "--config.sft.before_rl=False",
+                              f"--config.train.steps={steps}", f"--config.train.eval_every={eval_every}"],
+                             out / f"{variant}_seed{seed}.log", cpus)
+        run = {"seed": seed, "seconds": seconds, **curves(run_dir)}
+        print(f"seed {seed} {variant:8s} pass@1 {run['eval/pass@1'][0]:.3f} -> {run['eval/pass@1'][-1]:.3f}"
+              f"  positive tool-error rate {run['eval/tool_error_rate_positive'][0]:.3f} -> "
+              f"{run['eval/tool_error_rate_positive'][-1]:.3f}  ({seconds:.0f}s)", flush=True)
+        return run
+
+    order = {variant: i for i, variant in enumerate(variants)}
+    done = {seed for seed in seeds if (warm_dir(seed) / "hf" / "final" / "config.json").exists()}
+    ready = sorted(((seed, variant) for seed in done for variant in variants), key=lambda t: (t[0], order[t[1]]))
+    to_warm = [seed for seed in seeds if seed not in done]
+    warming: set[int] = set()
+    finished: dict[tuple[int, str], dict] = {}
+    failures: list[BaseException] = []
+    changed = threading.Condition()
+
+    def next_task():
+        with changed:
+            while not failures:
+                if ready:
+                    return ready.pop(0)
+                if to_warm:
+                    warming.add(to_warm[0])
+                    return to_warm.pop(0), None
+                if not warming:
+                    return None
+                changed.wait()
+            return None
+
+    def worker(cpus) -> None:
+        while (task := next_task()) is not None:
+            seed, variant = task
+            try:
+                if variant is None:
+                    warm_up(seed, cpus)
+                else:
+                    run = train(seed, variant, cpus)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                with changed:
+                    failures.append(e)
+                    changed.notify_all()
+                return
+            with changed:
+                if variant is None:
+                    warming.discard(seed)
+                    ready.extend((seed, v) for v in variants)
+                    ready.sort(key=lambda t: (t[0], order[t[1]]))
+                else:
+                    finished[task] = run
+                changed.notify_all()
+
+    available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    share = len(available) // jobs if jobs > 1 else 0
+    threads = [threading.Thread(target=worker, args=(frozenset(available[j * share:(j + 1) * share]) if share else None,))
+               for j in range(jobs)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    for variant in variants:
+        results["runs"][variant] = [finished[seed, variant] for seed in seeds]
     summary = {}
     for variant, runs in results["runs"].items():
         summary[variant] = {"step": runs[0]["step"], "rollout_step": runs[0]["rollout_step"]}
@@ -154,10 +227,11 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=0, help="0: the config's train.eval_every")
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--out", default=str(REPO / "runs" / "learning"))
+    parser.add_argument("--jobs", type=int, default=1, help="launches at once, each pinned to its share of the cores")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     results = run(args.config, seeds=range(args.seeds), variants=args.variants.split(","), out=out, steps=args.steps,
-                  eval_every=args.eval_every)
+                  eval_every=args.eval_every, jobs=args.jobs)
     summary = results["summary"]
     (out / "learning.json").write_text(json.dumps(_nan_to_none(results), indent=1))
     print(f"\n{'variant':8s} {'seeds':>5s} {'pass@1 step 0':>14s} {'pass@1 final':>16s} {'pos. tool err final':>20s}"

@@ -44,3 +44,19 @@ def test_a_recomputation_that_differs_from_the_model_is_refused(copy_heads, tmp_
     monkeypatch.setattr(copy_heads, "rope", lambda x, positions, theta: x)
     assert copy_heads.main([str(tmp_path / "hf"), "--problems", "4"]) == 1
     assert "recomputed logits differ" in capsys.readouterr().err
+
+
+def test_fix_conversations_report_the_second_calls_copy(copy_heads, tmp_path, capsys):
+    """--behaviour fix (benchmarks/roc_effect.py's recovery): the copy into the second call, from the
+    error's echo of the failed line, is scored and attended beside the other two."""
+    save_pretrained(Qwen3(Qwen3Config.tiny(num_layers=1), rngs=nnx.Rngs(5)), tmp_path / "hf")
+    tokens, rows = copy_heads.conversations(2, 0, "python", "fix", "release", 160, "unmatched")
+    for (src, dst), (call_src, call_dst) in zip(rows[0][1]["fix"], rows[0][1]["call"]):
+        assert tokens[0, src] == tokens[0, dst] == tokens[0, call_src] == tokens[0, call_dst]
+        assert call_dst < src < dst and rows[0][2] < dst  # the echo lies between the calls; the moved reply holds the fix
+    assert copy_heads.main([str(tmp_path / "hf"), "--problems", "4", "--behaviour", "fix", "--error-format", "release",
+                            "--observation-chars", "160", "--fix-bug", "unmatched"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"copy accuracy: call \d\.\d{3}, answer \d\.\d{3}, fix \d\.\d{3}", out)
+    assert len(re.findall(r"layer 0 head \d: call \d\.\d\d  answer \d\.\d\d  fix \d\.\d\d", out)) == 4
+    assert re.search(r"further from the error: call \d\.\d{3}, answer \d\.\d{3}, fix \d\.\d{3}", out)
