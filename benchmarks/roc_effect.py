@@ -1,32 +1,37 @@
 """RoC's effect, shown over seeds: fewer tool errors in correct trajectories than plain GRPO leaves.
 
-    python benchmarks/roc_effect.py                   # 5 seeds x 4 variants: over two hours on 2 CPU cores
-    python benchmarks/roc_effect.py --variants roc,grpo --out runs/roc_effect
-
-Each seed's warm-up (at most 2050 steps: the default's first stage ends once the copy holds) took
-12-13 minutes on two shared cores at 1250 fixed steps, and each RL run 4-5.
+    python benchmarks/roc_effect.py                   # 5 seeds x 4 variants, two launches at a time: about an hour on 2 CPU cores
+    python benchmarks/roc_effect.py --variants roc,grpo --seeds 3 --out runs/roc_effect
 
 rStar2-Agent's Fig. 4: with outcome-only rewards, GRPO reinforces trajectories that reach the right
 answer despite failed tool calls, and keeps about 10% tool errors in its positive trajectories, where
 GRPO-RoC (keep G of 2G: negatives uniformly, positives with few tool errors first) drives them down.
 Fig. 9 ranks RoC > GRPO with the tool > no tool. This script runs that comparison in miniature.
 
-The task is the default run's (`configs/tiny.py`) with the overrides in `TASK`, chosen so that the
-claim can show:
-- After the warm-up, a substantial share of the policy's correct trajectories should contain a failed
-  call and its recovery. The warm-up teaches a broken call (its ")" doubled), the error, and the
-  call again. The recovery writes the factors a second time, so the model has to learn to copy them
-  at a new offset. Three things made that learnable (benchmarks/RESULTS.md, "RoC's effect in
-  miniature"):
-  - a middle stage of mostly fixes (1600 conversations, 80% fixes), between the default's two;
-  - an error that names no "(" of its own (`data.synthetic.fix_bug=unmatched`);
-  - observations long enough to hold the traceback whole (160 characters). A middle cut inserts
-    "...(truncated)...", another "(" to copy after.
-  The default's fix conversations (480 tokens) already fit its 512. With these observations a fix
-  conversation is 546 tokens, so the lengths grow to 640.
-- Clean correct trajectories are possible too: the warm-up also teaches the clean call.
-- The failure is one the environment reports clearly: the rich sandbox's SyntaxError traceback,
-  which the warm-up shows exactly as the sandbox writes it.
+The task is the default run's (`configs/tiny.py`: one layer, "What is (47*38)?") with the overrides
+in `TASK`, chosen so that the claim can show:
+- After the warm-up, a substantial share of the policy's correct trajectories contain a failed call
+  and its recovery. The warm-up teaches a broken call (its ")" doubled), the error, and the call
+  again. The one-layer policy copies by distance: one attention head reads the character a fixed
+  number of positions back (benchmarks/copy_heads.py), so a recovery it can learn needs its source
+  at one fixed distance. The rStar2 release's one-line errors (`sandbox.error_format=release`,
+  "SyntaxError at line 1: unmatched ')' (<unknown>, line 1)" and then the failed line) end with the
+  failed call's expression, 106 positions before the second call writes it again, for every
+  problem, and the policy learns to copy at that distance too (`copy_heads.py --behaviour fix
+  --error-format release --observation-chars 160 --fix-bug unmatched`: on all five warm-ups of
+  benchmarks/RESULTS.md the fix's copies are exact, often by the head that copies the question into
+  the first call, 88 positions back; moving the second reply one position drops them to 0.00-0.09).
+  Python's own traceback (the default's) echoes the line too, but a caret line and the error's name
+  follow it: 171 positions; it was not compared.
+- Observations hold the error whole (160 characters): a middle cut would insert "...(truncated)...",
+  another "(" at another distance. A fix conversation is then 528 tokens, so the lengths grow to 640.
+- The warm-up has a middle stage of mostly fixes (4000 conversations, 80% fixes, 1000 steps)
+  between the default's two. `sft.advance_loss` may end it early, but the choice between a clean
+  and a broken call keeps its loss near it, so it ran all 1000 steps on every seed. Pilots whose
+  stage allowed 2000 steps ended it at step 773 (seed 0) and ran all 2000 (seed 1), both copying
+  exactly.
+- Clean correct trajectories are possible too: the warm-up's last stage teaches the clean call, the
+  fix and answering without the tool (30%, 30% and 40% of its conversations).
 - Outcome reward cannot tell the two apart: both end in the right `\\boxed{}`. Only RoC's positive
   selection gives the policy a reason to drop the broken call.
 
@@ -34,7 +39,9 @@ Variants, from the same warm-up per seed, on the same data, steps and prompts pe
 - `roc`: GRPO-RoC, the paper's variant (2G = 8 sampled, G = 4 kept);
 - `roc_release`: the rStar2 release's variant (`rl.roc_variant=release`);
 - `grpo`: GRPO with the tool, no resampling (G rollouts, all kept);
-- `no_tool`: the tool neither offered nor executed.
+- `no_tool`: the tool neither offered nor executed;
+- also `roc_noisy`, `grpo_noisy` (`--variants`): `roc` and `grpo` with 10% of the tool calls
+  answered as timeouts without running (`sandbox.inject_timeout_rate`), a noisy environment.
 
 Printed, and written to `<out>/roc_effect.json` and `<out>/roc_effect.png`: per variant, held-out
 pass@1, the positive trajectories' tool-error rate (failed calls per call, the paper's Fig. 4
@@ -66,21 +73,18 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import learning  # noqa: E402  (the launcher calls, the curves and the plot, shared)
 
 REPO = learning.REPO
-# The default task with a recovery the model learns (see the docstring): the fix's failed call
-# doubles its ")" (no "(" of the error's own), observations long enough to hold its traceback whole (a
-# middle cut would insert "...(truncated)..."), lengths that fit a fix conversation (546 tokens),
-# and a warm-up stage of mostly fixes between the default's two. The first stage ends as the
-# default's does, once the copy holds (sft.advance_loss, which may end the middle stage early too,
-# once the fix holds), but at step 1500 at the latest; the rate decays over the last stage's 150
-# steps of the 2050 planned. Four layers, as this task was measured with: the default's one-layer
-# policy learned no recovery on it (benchmarks/RESULTS.md, "One layer").
+# The default task with a recovery the one-layer policy learns (see the docstring): the fix's failed
+# call doubles its ")", the release's one-line errors end with the failed line, observations hold
+# them whole, lengths fit a fix conversation (528 tokens), and a warm-up stage of mostly fixes sits
+# between the default's two, ending once its loss holds or at its 1000th step; the rate decays over
+# the last stage's 150 steps of the 3150 planned.
 TASK: tuple[str, ...] = (
-    "--config.model.overrides.num_layers=4",
-    "--config.data.synthetic.fix_bug=unmatched", "--config.rollout.observation_max_chars=160",
+    "--config.data.synthetic.fix_bug=unmatched", "--config.sandbox.error_format=release",
+    "--config.rollout.observation_max_chars=160",
     "--config.rollout.response_budget=512", "--config.eval.response_budget=512", "--config.rollout.engine.max_length=640",
     "--config.sft.max_length=640", "--config.sft.micro_batch_tokens=1280",
-    "--config.data.synthetic.sft_stages=((6000, (0.0, 1.0, 0.0)), (1600, (0.0, 0.2, 0.8)), (600, (0.4, 0.3, 0.3)))",
-    "--config.sft.decay_ratio=0.073")
+    "--config.data.synthetic.sft_stages=((8000, (0.0, 1.0, 0.0)), (4000, (0.0, 0.2, 0.8)), (600, (0.4, 0.3, 0.3)))",
+    "--config.sft.decay_ratio=0.0476")
 VARIANTS = ("roc", "roc_release", "grpo", "no_tool")
 CURVES = ("eval/pass@1", "eval/tool_error_rate_positive", "eval/positive_with_tool_error", "eval/tool_error_rate_negative",
           "eval/tool_calls_mean", "eval/response_length_mean", "rollout/reward_mean", "rollout/tool_error_rate_positive")
@@ -94,11 +98,12 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=0, help="0: the config's train.eval_every")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="roc and grpo are needed for the last line")
     parser.add_argument("--out", default=str(REPO / "runs" / "roc_effect"))
+    parser.add_argument("--jobs", type=int, default=2, help="launches at once, each pinned to its share of the cores")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     t0 = time.perf_counter()
     results = learning.run(args.config, seeds=range(args.seeds), variants=args.variants.split(","), out=out,
-                           steps=args.steps, eval_every=args.eval_every, common=TASK)
+                           steps=args.steps, eval_every=args.eval_every, common=TASK, jobs=args.jobs)
     results["wall_s"] = time.perf_counter() - t0
     sys.path.insert(0, str(REPO))
     from rstar_jax.analysis.runs import load_comparison

@@ -33,7 +33,7 @@ turn (the `bare` template: every prompt byte is compute) learns this in a two-st
 So RL starts from a policy that often skips the tool: room to improve. It does not recover from a
 broken call (the fix's copy sits at another distance): over seeds 0 to 4 no correct held-out
 trajectory at step 0 holds a failed call, so RoC has none to filter here (benchmarks/roc_effect.py's
-four-layer task is built for that). 12% to 27% of held-out
+task, whose errors end with the failed line at one distance from the fix, is built for that). 12% to 27% of held-out
 problems (by seed) are solved at step 0, from the tool calls that copy correctly. 20 GRPO-RoC steps
 turn the policy to the tool: held-out pass@1 ends at 0.922 to 0.996 over seeds 0 to 4
 (benchmarks/RESULTS.md).
