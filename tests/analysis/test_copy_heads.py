@@ -1,10 +1,7 @@
 """benchmarks/copy_heads.py: its layer-by-layer attention reproduces the model's own logits (else it
 prints nothing), and it reports every head of every layer and the moved-reply check."""
 
-import importlib.util
-import pathlib
 import re
-import sys
 
 import pytest
 from flax import nnx
@@ -12,18 +9,14 @@ from flax import nnx
 from rstar_jax.model.config import Qwen3Config
 from rstar_jax.model.hf import save_pretrained
 from rstar_jax.model.qwen3 import Qwen3
+from tests.benchmark_scripts import benchmark_script
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "copy_heads.py"
 
 
 @pytest.fixture(scope="module")
 def copy_heads():
-    spec = importlib.util.spec_from_file_location("copy_heads_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with benchmark_script("copy_heads") as module:
+        yield module
 
 
 def test_reports_every_head_from_a_recomputation_that_matches_the_model(copy_heads, tmp_path, capsys):

@@ -2,27 +2,22 @@
 from its own finished warm-up, every (seed, variant) runs once, results come back in seed order,
 and launches that run at once are pinned to disjoint cores."""
 
-import importlib.util
 import json
 import os
 import pathlib
-import sys
 import threading
 import time
 
 import pytest
+from tests.benchmark_scripts import benchmark_script
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "learning.py"
+TINY = str(pathlib.Path(__file__).resolve().parents[2] / "configs" / "tiny.py")
 
 
 @pytest.fixture
 def learning():
-    spec = importlib.util.spec_from_file_location("learning_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with benchmark_script("learning") as module:
+        yield module
 
 
 def fake_launcher(events: list, lock: threading.Lock):
@@ -56,7 +51,7 @@ def test_every_variant_runs_once_after_its_warm_up(learning, tmp_path, monkeypat
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     (tmp_path / "sft_seed1" / "hf" / "final").mkdir(parents=True)  # seed 1 warmed up earlier: not repeated
     (tmp_path / "sft_seed1" / "hf" / "final" / "config.json").write_text("{}")
-    results = learning.run(str(SCRIPT.parents[1] / "configs" / "tiny.py"), seeds=range(3), variants=["roc", "grpo"],
+    results = learning.run(TINY, seeds=range(3), variants=["roc", "grpo"],
                            out=tmp_path, jobs=jobs)
     started = [name for kind, name, *_ in events if kind == "start"]
     assert sorted(started) == sorted(["sft_seed0", "sft_seed2"] + [f"{v}_seed{s}" for s in range(3) for v in ("roc", "grpo")])
@@ -80,5 +75,5 @@ def test_a_failed_launch_stops_the_rest_and_is_raised(learning, tmp_path, monkey
         raise SystemExit(f"launcher failed (1), see {log}")
     monkeypatch.setattr(learning, "launch", launch)
     with pytest.raises(SystemExit, match="launcher failed"):
-        learning.run(str(SCRIPT.parents[1] / "configs" / "tiny.py"), seeds=range(3), variants=["roc"], out=tmp_path,
+        learning.run(TINY, seeds=range(3), variants=["roc"], out=tmp_path,
                      jobs=2)

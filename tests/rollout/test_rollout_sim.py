@@ -2,28 +2,21 @@
 in virtual time, every trajectory finishes under every policy, and its engines behave like SGLang's."""
 
 import asyncio
-import importlib.util
-import pathlib
 import re
-import sys
 
 import pytest
 
 from rstar_jax.rollout.protocol import Generator, SamplingParams
 from rstar_jax.rollout.scheduler import KvScheduler
+from tests.benchmark_scripts import benchmark_script
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "rollout_sim.py"
 
 
 @pytest.fixture(scope="module")
 def sim():
     """The script as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("rollout_sim_under_test", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look the module up while it loads
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    with benchmark_script("rollout_sim") as module:
+        yield module
 
 
 @pytest.fixture(scope="module")
