@@ -141,7 +141,7 @@ class FakePool:
         self.options = ServerOptions(**options)
         self.refusals = refusals
         self.counters: dict = {}
-        self.calls = []
+        self.calls, self.injectable = [], []
 
     def try_admit(self) -> bool:
         self.refusals -= 1
@@ -150,8 +150,9 @@ class FakePool:
     def full_message(self) -> str:
         return "sandbox queue full: 8 calls admitted, limit 8; retry later"
 
-    async def run(self, kind, flavour, blobs, timeout_s, memory_mb, options):
+    async def run(self, kind, flavour, blobs, timeout_s, memory_mb, options, *, injectable=False):
         self.calls.append((kind, flavour, blobs, timeout_s, memory_mb, options))
+        self.injectable.append(injectable)  # a client's call: --inject-timeout-rate applies to it
         return _header(status.OK), [b"hi\n", b""]
 
 
@@ -170,7 +171,7 @@ def test_a_full_queue_answers_504_which_sandbox_fusions_client_and_verl_retry():
             reply = await asyncio.to_thread(sandbox_fusion.run_code, sandbox_fusion.RunCodeRequest(**body),
                                             endpoint=url, max_attempts=3)
             assert reply.status == sandbox_fusion.RunStatus.Success and reply.run_result.stdout == "hi\n"
-            assert len(pool.calls) == 1 and pool.counters == {"ok": 1}
+            assert len(pool.calls) == 1 and pool.counters == {"ok": 1} and pool.injectable == [True]
             # The body bound (from the server's limits), routing errors, all in FastAPI's JSON shape.
             big = await asyncio.to_thread(requests.post, f"{url}/run_code", data=b"x" * (4 << 20), timeout=30)
             assert big.status_code == 413 and "exceeds" in big.json()["detail"]
