@@ -19,6 +19,9 @@
 #   bash benchmarks/gpu_suite.sh --decode    # instead: decode alone, this tree and, when .baseline/ holds
 #                                            # another (`--prepare --baseline REV` puts `git archive REV`
 #                                            # there; carry it beside .whl), that one in the same call
+#   bash benchmarks/gpu_suite.sh --decode-xla # instead: decode alone under XLA:GPU flag variants, alternately:
+#                                            # dynamic-slice fusion (cuBLAS reads each layer's weights
+#                                            # in place of the scan's per-layer copies), Triton GEMMs off
 #   bash benchmarks/gpu_suite.sh --smoke     # CPU-sized shapes, to check the suite itself anywhere
 #
 # Each part has its own time limit inside an overall deadline (GPU_SUITE_SECONDS, default 570 s),
@@ -50,7 +53,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
     exit 0
 fi
 
-SMOKE=0 PROFILE=0 SWEEP=0 ASYNC=0 DECODE_ONLY=0
+SMOKE=0 PROFILE=0 SWEEP=0 ASYNC=0 DECODE_ONLY=0 DECODE_XLA=0
 for arg in "$@"; do
     case "$arg" in
         --smoke) SMOKE=1 ;;
@@ -58,7 +61,8 @@ for arg in "$@"; do
         --sweep) SWEEP=1 ;;
         --async) ASYNC=1 ;;
         --decode) DECODE_ONLY=1 ;;
-        *) echo "gpu_suite.sh: unknown argument $arg (--prepare, --smoke, --profile, --sweep, --async, --decode)" >&2; exit 2 ;;
+        --decode-xla) DECODE_XLA=1 ;;
+        *) echo "gpu_suite.sh: unknown argument $arg (--prepare, --smoke, --profile, --sweep, --async, --decode, --decode-xla)" >&2; exit 2 ;;
     esac
 done
 
@@ -128,6 +132,26 @@ if (( DECODE_ONLY )); then
         fi
     done
     echo; grep -E "^(=== decode|JaxEngine:|roofline:)" "$OUT/gpu_suite.log"
+    if (( ${#FAILED[@]} )); then echo "gpu_suite: FAILED parts: ${FAILED[*]}"; exit 1; fi
+    exit 0
+fi
+
+if (( DECODE_XLA )); then
+    part environment 30 bash -c "nvidia-smi -L 2>/dev/null || echo 'no nvidia-smi'"
+    # The H100 profile at 72fbfd0: 19% of decode's device time copies each layer's weights out of
+    # the scan's stacked parameters (dynamic slices become memcpys) before the Triton GEMMs read them.
+    # Dynamic-slice fusion lets library GEMMs (cuBLAS) read the slice in place, so it is tried with
+    # and without Triton GEMMs; XLA_FLAGS names each variant in the log.
+    VARIANTS=("" "--xla_gpu_enable_dynamic_slice_fusion=true"
+              "--xla_gpu_enable_dynamic_slice_fusion=true --xla_gpu_enable_triton_gemm=false"
+              "--xla_gpu_enable_triton_gemm=false")
+    for round in 1 2; do
+        for flags in "${VARIANTS[@]}"; do
+            part "decode, XLA_FLAGS='$flags' ($round)" 100 env XLA_FLAGS="$flags" "$PY" \
+                benchmarks/decode_throughput.py "${DECODE[@]}" --no-hf
+        done
+    done
+    echo; grep -E "^(=== decode|JaxEngine:)" "$OUT/gpu_suite.log"
     if (( ${#FAILED[@]} )); then echo "gpu_suite: FAILED parts: ${FAILED[*]}"; exit 1; fi
     exit 0
 fi
