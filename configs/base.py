@@ -232,7 +232,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.log_every = 1
     # Checkpoint directory of the previous stage ("" = model.hf_path / init). The stage continues
     # that run: its step numbers (group ids, sampling seeds, RoC draws, weight versions) go on from
-    # the previous stage's, and its prompt stream too when the data is the same.
+    # the previous stage's, and its prompt stream too when the data is the same (after an
+    # asynchronous stage, past every batch it trained a group of: none is trained twice).
     c.train.init_from = ""
 
     c.sft = ml_collections.ConfigDict()

@@ -26,7 +26,7 @@ from rstar_jax.errors import ConfigError
 from rstar_jax.app import builders
 from rstar_jax.train.checkpoint import Checkpointer, checkpoints_directory
 from rstar_jax.app.held_out import HeldOutEvaluation
-from rstar_jax.train.loop import PromptLookahead, RLLoop, StageAdvance, is_rl_line, sft_loop
+from rstar_jax.train.loop import PromptLookahead, RLLoop, StageAdvance, is_rl_line, sft_loop, stream_continuation
 from rstar_jax.train.metrics import MetricsWriter
 from rstar_jax.train.step import lr_schedule, make_optimizer, wsd_decay_start
 from rstar_jax.train.trainer import RLTrainer
@@ -149,7 +149,8 @@ def _restore(config, model, optimizer, tokenizer: Tokenizer, train_files, metric
     Else `train.init_from` gives the previous stage's policy (and its optimizer state unless the
     recipe resets it, stage 3) and continues its run: step numbers go on from the previous stage's,
     so no trajectory repeats a sampling seed, and the prompt stream continues where it stopped when
-    the data is the same (stage 2); other data (stage 3's hard set) is shuffled with a seed of its own."""
+    the data is the same (stage 2; after an asynchronous stage, past every batch it had trained a
+    group of: `stream_continuation`); other data (stage 3's hard set) is shuffled with a seed of its own."""
     shuffle_seed = config.data.shuffle_seed
     if checkpointer.latest_step() is not None:
         restored = checkpointer.restore(model=model, optimizer=optimizer)
@@ -168,10 +169,16 @@ def _restore(config, model, optimizer, tokenizer: Tokenizer, train_files, metric
     with Checkpointer(source, async_save=False) as previous:
         restored = previous.restore(model=model, optimizer=optimizer, reset_optimizer=config.optim.reset_at_start)
     state = restored.data_state or {}
-    offset = int(state.get("step_offset", 0)) + restored.step
+    skip, batches = stream_continuation(state, restored.step)
+    offset = int(state.get("step_offset", 0)) + batches
     how = "its prompt stream continued"
     try:
         prompts.set_state(state, same_files=False)
+        for _ in range(skip):
+            next(prompts)
+        if skip:
+            how += (f" after the {skip} batch(es) its asynchronous rollouts had started ({len(state['taken'])} of "
+                    f"their groups trained there, the rest skipped)")
     except (DataError, KeyError):  # other data: its own order, not the previous stage's seed
         prompts, _ = builders.prompt_iterator(
             config, train_files, tokenizer, seed=int(np.random.SeedSequence([shuffle_seed, offset]).generate_state(1)[0]))

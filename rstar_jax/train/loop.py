@@ -391,6 +391,22 @@ def drop_stale_groups(trajectories: list, held: list[int], max_staleness: int) -
     return kept, metrics
 
 
+def stream_continuation(state: dict, step: int) -> tuple[int, int]:
+    """Where a stage that continues another's run (`train.init_from`) picks up its prompt stream,
+    from that run's checkpoint: its data `state` and RL `step`. Returns (batches to skip past the
+    state's data position, batches the continued run's group numbering moves on by).
+
+    A synchronous run's position follows its last step. An asynchronous one's is its oldest batch
+    with a group not yet taken, and later batches may hold groups it trained (`taken`): the stream
+    goes on after the last of those, so that no group is trained twice, and the groups of those
+    batches it never took (in flight when it stopped) are skipped. Group ids, and so sampling seeds,
+    go on as if the stream had."""
+    position = int(state.get("batch", step))
+    taken = [int(b) for b, _ in state.get("taken", ())]
+    skip = max(taken) + 1 - position if taken else 0
+    return skip, position + skip
+
+
 class PromptLookahead:
     """A `PromptIterator` read ahead in batches by an asynchronous run: `pull()` takes the next batch
     (its index, its examples and the indices of its groups already taken before a resume), `taken()`

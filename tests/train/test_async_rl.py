@@ -12,7 +12,7 @@ import pytest
 
 from rstar_jax.config import REPO_CONFIGS, ConfigError, load_config_file, resolve, validate
 from rstar_jax.rollout.trajectory import Trajectory
-from rstar_jax.train.loop import PromptLookahead, RLLoop, drop_stale_groups
+from rstar_jax.train.loop import PromptLookahead, RLLoop, drop_stale_groups, stream_continuation
 
 
 def _trajectory(group_id, versions, reward=1.0):
@@ -264,6 +264,25 @@ def test_groups_stream_past_a_long_tail_and_a_resume_regenerates_only_the_groups
     assert 0 in resumed.generated
     again = [gid for s in range(step, 5) for gid in resumed.trained_groups[s]]
     assert len(again) == len(set(again)) == 2 * (5 - step) and 0 in again and not taken_before & set(again)
+
+
+def test_a_stage_continuing_an_asynchronous_one_starts_after_every_batch_it_trained_a_group_of():
+    """`train.init_from` from an asynchronous stage's checkpoint taken while a group was out
+    (`stream_continuation`): the next stage's stream starts after the last batch with a group taken,
+    so no group is trained twice, and its group ids go on from there; the groups never taken (in
+    flight when the stage stopped) are skipped. A synchronous stage's stream goes on after its step."""
+    slow = lambda step, index: 0.4 if (step, index) == (0, 0) else 0.03  # noqa: E731
+    trainer = _ScriptedTrainer(rollout_s=lambda s: 0.03, update_s=0.03, group_s=slow)
+    _, saved = _run(trainer, 2, steps=5)
+    step, state = saved[0]  # after step 1: batch 0's group 0 still out, groups of later batches taken
+    skip, batches = stream_continuation(state, step)
+    trained = set(trainer.trained_groups[0])
+    assert state["batch"] == 0 and skip == max(b for b, _ in state["taken"]) + 1 and batches == skip
+    assert batches > step  # a group numbering that went on from the step would reuse the ids of taken groups
+    assert trained == {b * 2 + i for b, i in state["taken"]} and max(trained) < 2 * batches
+    assert 0 not in trained  # skipped: it was still out
+    assert stream_continuation({"next": 3}, 3) == (0, 3)  # synchronous
+    assert stream_continuation({"next": 4, "batch": 4, "taken": []}, 4) == (0, 4)  # asynchronous, all taken
 
 
 def _tiny(**overrides):
