@@ -239,7 +239,7 @@ def call_result(call: Call, output_limit: int) -> tuple[dict, list[bytes]]:
     if meta[1] == SETUP_FAILED_TAG:
         code, message = status.SANDBOX_ERROR, stderr.decode(errors="replace").strip()
     elif call.killed_for == status.TIMEOUT:
-        code, note = status.TIMEOUT, f"[killed: wall-clock limit of {call.timeout_s:g} s exceeded]"
+        code, note = status.TIMEOUT, status.TIMEOUT_NOTE.format(call.timeout_s)
     elif call.killed_for == status.OUTPUT_LIMIT:
         code = status.OUTPUT_LIMIT
     elif oom:

@@ -62,7 +62,7 @@ HARNESS_FILE = "_rstar_harness.py"
 CODE_FILE = "_rstar_code.py"
 META_FILE = "_rstar_meta"
 # The notes the sandbox's workers append to stderr (not in the release's format).
-TIMEOUT_NOTE = "\n[killed: wall-clock limit of {:g} s exceeded]\n"
+TIMEOUT_NOTE = f"\n{status.TIMEOUT_NOTE}\n"
 SIGNAL_NOTE = "\n[killed by signal {}]\n"
 _TRAILING_NOTE = re.compile(r"\n\[killed[^\n]*\]\n\Z")
 

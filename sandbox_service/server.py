@@ -401,7 +401,7 @@ class Pool:
 
 def _injected_timeout(timeout_s: float, error_format: str) -> tuple[dict, list[bytes]]:
     """What a call killed at its wall-clock limit reports (calls.call_result), for a call not run."""
-    note = b"" if error_format == "release" else f"\n[killed: wall-clock limit of {timeout_s:g} s exceeded]\n".encode()
+    note = b"" if error_format == "release" else f"\n{status.TIMEOUT_NOTE.format(timeout_s)}\n".encode()
     return ({"status": status.TIMEOUT, "exit_code": -signal.SIGKILL, "duration_s": timeout_s, "cpu_s": 0.0,
              "stdout_truncated": False, "stderr_truncated": False,
              "message": "injected (--inject-timeout-rate): not run"}, [b"", note])

@@ -16,3 +16,5 @@ ALL = (OK, RUNTIME_ERROR, TIMEOUT, MEMORY_LIMIT, OUTPUT_LIMIT, KILLED_BY_SIGNAL,
 # How output limits show, for the server, its workers and the clients alike.
 MAX_STREAM_CAP_CHARS = 1 << 20  # a call's character cap per stream (the worker holds up to 4 bytes per character)
 TRUNCATION_MARKER = "\n[... output truncated: exceeded {} bytes]\n"  # appended where the byte cap cut a stream
+# The note on stderr of a call killed at its wall-clock limit (its seconds), unless the error format is the release's.
+TIMEOUT_NOTE = "[killed: wall-clock limit of {:g} s exceeded]"
