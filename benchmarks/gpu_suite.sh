@@ -19,7 +19,9 @@
 #   bash benchmarks/gpu_suite.sh --decode    # instead: decode alone, this tree and, when .baseline/ holds
 #                                            # another (`--prepare --baseline REV` puts `git archive REV`
 #                                            # there; carry it beside .whl), that one in the same call
-#   bash benchmarks/gpu_suite.sh --decode-xla # instead: decode alone under XLA:GPU flag variants, alternately:
+#   bash benchmarks/gpu_suite.sh --decode-xla # instead: decode's attention, the XLA path beside the Pallas
+#                                            # paged-attention kernel (benchmarks/decode_attention.py);
+#                                            # then decode alone under XLA:GPU flag variants, alternately:
 #                                            # dynamic-slice fusion (cuBLAS reads each layer's weights
 #                                            # in place of the scan's per-layer copies), Triton GEMMs off
 #   bash benchmarks/gpu_suite.sh --smoke     # CPU-sized shapes, to check the suite itself anywhere
@@ -142,6 +144,11 @@ if (( DECODE_XLA )); then
     # the scan's stacked parameters (dynamic slices become memcpys) before the Triton GEMMs read them.
     # Dynamic-slice fusion lets library GEMMs (cuBLAS) read the slice in place, so it is tried with
     # and without Triton GEMMs; XLA_FLAGS names each variant in the log.
+    # The other 44%: the attention's reductions (0.9 TB/s for K) beside the kernel that reads the
+    # pages in place.
+    ATTENTION=(--json "$OUT/decode_attention.json")
+    (( SMOKE )) && ATTENTION+=(--smoke)
+    part "decode attention" 90 "$PY" benchmarks/decode_attention.py "${ATTENTION[@]}"
     VARIANTS=("" "--xla_gpu_enable_dynamic_slice_fusion=true"
               "--xla_gpu_enable_dynamic_slice_fusion=true --xla_gpu_enable_triton_gemm=false"
               "--xla_gpu_enable_triton_gemm=false")
@@ -151,7 +158,7 @@ if (( DECODE_XLA )); then
                 benchmarks/decode_throughput.py "${DECODE[@]}" --no-hf
         done
     done
-    echo; grep -E "^(=== decode|JaxEngine:)" "$OUT/gpu_suite.log"
+    echo; grep -E "^(=== decode|JaxEngine:|limit:|xla:|pallas|pallas_vs_xla)" "$OUT/gpu_suite.log"
     if (( ${#FAILED[@]} )); then echo "gpu_suite: FAILED parts: ${FAILED[*]}"; exit 1; fi
     exit 0
 fi
