@@ -111,18 +111,22 @@ def main() -> None:
             kernel = jax.jit(lambda *a, s=splits, p=block: paged_attention(
                 *a, k_splits=s, pages_per_compute_block=p, interpret=interpret))
             got = np.asarray(kernel(q_scaled, k_pages, v_pages, wide, lengths), np.float32)
-            np.testing.assert_allclose(got, expected, atol=tolerance, rtol=tolerance,
-                                       err_msg=f"pallas k_splits={splits} pages_per_compute_block={block}")
+            difference = float(np.max(np.abs(got - expected) / (tolerance + tolerance * np.abs(expected))))
             seconds = _best_seconds(kernel, q_scaled, k_pages, v_pages, wide, lengths, repeats=args.repeats)
-            figures["pallas"].append({"k_splits": splits, "pages_per_compute_block": block, "seconds": seconds})
+            figures["pallas"].append({"k_splits": splits, "pages_per_compute_block": block, "seconds": seconds,
+                                      "matches": difference <= 1.0})
+            # Timed even when the outputs differ, so that a lease still gets the figure; the exit says.
             print(f"pallas: {seconds * 1e6:9.1f} us  ({attended / seconds / 1e12:.2f} TB/s, {limit_s / seconds:.1%} "
                   f"of the limit; k_splits={splits}, pages_per_compute_block={block}, table of {wide.shape[1]} "
-                  f"pages; outputs match the XLA path)")
+                  f"pages; outputs {'match' if difference <= 1.0 else 'DIFFER FROM'} the XLA path's, "
+                  f"{difference:.2f} of the tolerance)")
     best = min(f["seconds"] for f in figures["pallas"])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=1)
     print(f"pallas_vs_xla={xla_s / best:.2f}")
+    if not all(f["matches"] for f in figures["pallas"]):
+        raise SystemExit(f"the kernel's outputs differ from the XLA path's beyond {tolerance} (atol and rtol)")
 
 
 if __name__ == "__main__":
