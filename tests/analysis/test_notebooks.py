@@ -14,6 +14,7 @@ from rstar_jax.analysis import runs
 from rstar_jax.rollout.records import read_records, write_records
 from rstar_jax.rollout.stats import record_stats
 from rstar_jax.train.metrics import read_metrics
+from tests.conftest import xla_flags
 
 pytestmark = pytest.mark.slow  # notebooks executed on the default run
 
@@ -50,7 +51,7 @@ def execute(name: str, cwd: pathlib.Path = REPO, **params) -> nbformat.NotebookN
     inject(nb, **params)
     env = dict(os.environ)
     # As users run it: one CPU device, and inline figures whatever MPLBACKEND the shell sets.
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
+    env["XLA_FLAGS"] = xla_flags()
     env["MPLBACKEND"] = "module://matplotlib_inline.backend_inline"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(cwd)}})

@@ -33,6 +33,7 @@ from rstar_jax.model.qwen3 import Qwen3
 from rstar_jax.engine.local_server import LocalServer
 from rstar_jax.train.checkpoint import policy_source
 from rstar_jax.app.held_out import run_evaluation
+from tests.conftest import xla_flags
 
 TINY = REPO_CONFIGS / "tiny.py"
 QUESTIONS = [("What is 3+4?", "7"), ("What is 2+3?", "5"), ("What is 4+5?", "9")]
@@ -134,7 +135,7 @@ SLOW = (f"rollout.max_concurrency={K}",)
 
 def _env():
     env = dict(os.environ)
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
+    env["XLA_FLAGS"] = xla_flags()
     return env
 
 
@@ -308,7 +309,7 @@ def test_evaluates_an_orbax_run_directory_with_the_checkpoints_model_shape(input
 def test_evaluates_on_sglang_compatible_servers_with_the_same_samples(straight, inputs, sandbox_target, tmp_path):
     """eval.generator_urls: the policy served by `rstar_jax.serve` (SGLang's HTTP API), placed by the
     KV scheduler. Seeded per trajectory, the servers draw exactly the in-process engine's samples."""
-    with LocalServer(str(inputs["hf_slow"]), slots=32, max_length=832, seed=0, env={"XLA_FLAGS": ""}) as server:
+    with LocalServer(str(inputs["hf_slow"]), slots=32, max_length=832, seed=0, env={"XLA_FLAGS": xla_flags()}) as server:
         config = eval_config(*eval_overrides(tmp_path / "served", inputs["questions"], sandbox_target,
                                              f"eval.generator_urls=('{server.url}',)"))
         report = run_evaluation(config)

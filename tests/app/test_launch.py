@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.conftest import TINY_SFT_STAGES, TINY_TEST_TASK
+from tests.conftest import TINY_SFT_STAGES, TINY_TEST_TASK, xla_flags
 
 pytestmark = pytest.mark.slow  # the launcher in subprocesses
 
@@ -174,7 +174,7 @@ def test_rl_on_two_serve_servers_behind_the_kv_scheduler(tmp_path, tiny_run_dir)
     from rstar_jax.rollout.records import iter_rollouts
 
     run = tmp_path / "servers"
-    env_one_device = {"XLA_FLAGS": os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")}
+    env_one_device = {"XLA_FLAGS": xla_flags()}
     # From the warm policy this data order gives updates from step 1 (see test_resume.py).
     result = _launch(f"--config.run_dir={run}", f"--config.model.hf_path={tiny_run_dir / 'hf' / 'sft_warmup'}",
                      *TINY_TEST_TASK, "--config.sft.before_rl=False", "--config.train.steps=2", "--config.data.shuffle_seed=3",

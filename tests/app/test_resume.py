@@ -22,14 +22,14 @@ from rstar_jax.config import REPO_CONFIGS, load_config_file
 from rstar_jax.rollout.records import iter_rollouts
 from rstar_jax.app import builders
 from rstar_jax.train.metrics import read_metrics
-from tests.conftest import TINY_TEST_TASK
+from tests.conftest import TINY_TEST_TASK, xla_flags
 
 pytestmark = pytest.mark.slow  # killed and resumed launcher subprocesses
 
 
 def _env():
     env = dict(os.environ)
-    env["XLA_FLAGS"] = env["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "").strip()
+    env["XLA_FLAGS"] = xla_flags()
     return env
 
 

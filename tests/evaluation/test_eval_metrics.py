@@ -1,7 +1,6 @@
 import itertools
 import math
 
-import numpy as np
 import pytest
 
 from rstar_jax.evaluation.metrics import pass_at_k, summarize

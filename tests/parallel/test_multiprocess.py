@@ -17,7 +17,7 @@ from rstar_jax.model.hf import save_pretrained
 from rstar_jax.model.qwen3 import Qwen3Config
 from rstar_jax.parallel import create_sharded_model, make_mesh
 from rstar_jax.train.checkpoint import checkpoint_steps
-from tests.conftest import TINY_TEST_TASK
+from tests.conftest import TINY_TEST_TASK, xla_flags
 
 pytestmark = pytest.mark.slow  # subprocesses
 
@@ -49,7 +49,7 @@ def _free_port() -> int:
 def run_processes(script: str, *args: str, n: int = 2, timeout: float = 180) -> list[subprocess.CompletedProcess]:
     """`script` in `n` processes (process id first, then the coordinator port, then `args`), 4 fake
     CPU devices each; all are killed if one has not finished in `timeout` seconds."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(4), "JAX_PLATFORMS": "cpu"}
     port = str(_free_port())
     procs = [subprocess.Popen([sys.executable, "-c", script, str(i), port, *args], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for i in range(n)]
@@ -79,7 +79,7 @@ def _launch(run_dir, args, *, processes: int, port: int | None = None, env_extra
             log_dir=None) -> list[subprocess.Popen]:
     """`python -m rstar_jax.launch` as a cluster starts it: `processes` processes joined through
     JAX_COORDINATOR_ADDRESS on 127.0.0.1, 8 // processes fake CPU devices each (one process: 8)."""
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={8 // processes}",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8 // processes),
            "JAX_PLATFORMS": "cpu", **(env_extra or {})}
     if processes > 1:
         env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port or _free_port()}", JAX_NUM_PROCESSES=str(processes))
