@@ -1,6 +1,7 @@
-"""Test configuration: 8 fake CPU devices and a persistent compilation cache.
+"""Test configuration: 8 fake CPU devices, XLA:CPU's faster-compiling emitters and a persistent
+compilation cache.
 
-Both must be set before jax is imported anywhere, which is why this happens at the top of
+All must be set before jax is imported anywhere, which is why this happens at the top of
 conftest.py rather than in a fixture.
 """
 
