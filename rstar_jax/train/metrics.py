@@ -168,13 +168,17 @@ def format_duration(seconds: float) -> str:
 class ProgressBar:
     """`[stage1] 12/300 [###.......] 4% 3.1s/step ETA 14m53s reward=0.41`.
 
-    On a terminal the line is redrawn in place; otherwise (logs, CI) every update is its own line.
-    The ETA uses the mean time per step since the first update, so a slow first step (compilation)
-    stops dominating after a few steps.
+    On a terminal the line is redrawn in place at every update. Elsewhere (logs, CI) a line is
+    printed for the first update, then once at least `log_fraction` of `total` more steps AND
+    `log_seconds` more seconds have passed since the last printed line (one line per 5% or per 30 s,
+    whichever comes later), and always for the last step (`total`); `close` prints the last update
+    if it was not printed, so a log shows where a bar that ended early stopped. The ETA uses the
+    mean time per step since the first update, so a slow first step (compilation) stops dominating
+    after a few steps.
     """
 
     def __init__(self, total: int, *, desc: str = "", width: int = 20, stream: TextIO | None = None,
-                 start_step: int = 0, clock=time.monotonic):
+                 start_step: int = 0, clock=time.monotonic, log_fraction: float = 0.05, log_seconds: float = 30.0):
         if total < 1:
             raise ValueError(f"ProgressBar: total must be >= 1, got {total}")
         self.total = total
@@ -182,13 +186,18 @@ class ProgressBar:
         self.width = width
         self.stream = stream if stream is not None else sys.stdout
         self.clock = clock
+        self.log_fraction = log_fraction
+        self.log_seconds = log_seconds
         self._start_step = start_step
         self._start_time = clock()
         self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self.last_line = ""
+        self.last_line = ""  # the last rendered line, printed or not
+        self._last: tuple[int, float] | None = None  # step and time of the last update
+        self._printed: tuple[int, float] | None = None  # ... of the last printed line (not on a terminal)
+        self._pending = False  # the last update's line is not printed yet
 
-    def render(self, step: int, postfix: Mapping[str, Any] | None = None) -> str:
-        elapsed = self.clock() - self._start_time
+    def render(self, step: int, postfix: Mapping[str, Any] | None = None, *, now: float | None = None) -> str:
+        elapsed = (self.clock() if now is None else now) - self._start_time
         done = step - self._start_step
         per_step = elapsed / done if done > 0 else float("nan")
         remaining = (self.total - step) * per_step if done > 0 else float("nan")
@@ -203,19 +212,34 @@ class ProgressBar:
         return "".join(parts)
 
     def update(self, step: int, **postfix: Any) -> str:
-        line = self.render(step, postfix)
-        self.last_line = line
+        """Renders `step` and returns the line; prints it on a terminal, or in a log when it is due."""
+        now = self.clock()
+        line = self.render(step, postfix, now=now)
         if self._tty:
             self.stream.write("\r\x1b[2K" + line)
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+            self.stream.flush()
+            self.last_line, self._last = line, (step, now)
+            return line
+        due = (self._printed is None or step >= self.total
+               or (step - self._printed[0] >= self.log_fraction * self.total
+                   and now - self._printed[1] >= self.log_seconds))
+        self.last_line, self._last, self._pending = line, (step, now), True
+        if due:
+            self._print_pending()
         return line
 
+    def _print_pending(self) -> None:
+        self.stream.write(self.last_line + "\n")
+        self.stream.flush()
+        self._printed, self._pending = self._last, False
+
     def close(self) -> None:
+        """Ends the terminal's line; in a log, prints the last update if it was not printed."""
         if self._tty and self.last_line:
             self.stream.write("\n")
             self.stream.flush()
+        elif self._pending:
+            self._print_pending()
 
 
 # -- FLOPs and MFU --------------------------------------------------------------------------------

@@ -77,20 +77,86 @@ def test_writer_jsonl_tensorboard_and_close(tmp_path):
 
 def test_progress_bar_plain_text_with_eta():
     now = [100.0]
-    stream = io.StringIO()  # not a TTY: one line per update
+    stream = io.StringIO()  # not a TTY: the first line, then one per 5% and 30 s
     bar = ProgressBar(10, desc="stage1", width=10, stream=stream, clock=lambda: now[0])
     assert "ETA" not in bar.update(0)
     now[0] += 4.0
     line = bar.update(2, reward=0.41234, kept=3)
     # 2 steps in 4 s -> 2.00 s/step, 8 steps left -> 16 s.
     assert line == "[stage1] 2/10 [##........] 20% 2.00s/step ETA 16s reward=0.4123 kept=3"
+    assert bar.last_line == line and stream.getvalue() == "[stage1] 0/10 [..........] 0%\n"  # 4 s after the first
     now[0] += 96.0
     assert bar.update(5).endswith("20.00s/step ETA 1m40s")
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 3 and "\r" not in stream.getvalue()
+    assert lines == ["[stage1] 0/10 [..........] 0%", bar.last_line] and "\r" not in stream.getvalue()
+    bar.close()  # the last update was printed
+    assert stream.getvalue().splitlines() == lines
     assert format_duration(3725) == "1h02m" and format_duration(float("nan")) == "?"
     with pytest.raises(ValueError):
         ProgressBar(0)
+
+
+def _log_bar(total, desc="sft"):
+    """A bar on a non-TTY stream with a clock the test moves."""
+    now = [0.0]
+    stream = io.StringIO()
+    return ProgressBar(total, desc=desc, stream=stream, clock=lambda: now[0]), stream, now
+
+
+def _printed_steps(stream, desc="sft"):
+    lines = stream.getvalue().splitlines()
+    return [int(line.split()[1].split("/")[0]) for line in lines if line.startswith(f"[{desc}] ")]
+
+
+def test_progress_bar_in_a_log_prints_one_line_per_5_percent_or_30_s_whichever_comes_later():
+    # The default run's SFT warm-up: 2150 steps at 0.2 s. 5% is 107.5 steps (21.5 s), so the 30 s
+    # decide: a line every 150 steps, instead of 2150 lines.
+    bar, stream, now = _log_bar(2150)
+    for step in range(1, 2151):
+        now[0] = step * 0.2
+        bar.update(step, loss=f"{1 / step:.3f}")
+    lines = stream.getvalue().splitlines()
+    assert len(lines) < 45 and "\r" not in stream.getvalue()
+    assert lines[0].startswith("[sft] 1/2150 ") and lines[0].endswith("loss=1.000")
+    assert lines[-1] == bar.last_line and lines[-1].startswith("[sft] 2150/2150 [####################] 100% 0.20s/step")
+    steps = _printed_steps(stream)
+    assert all(150 <= b - a <= 151 for a, b in zip(steps[:-2], steps[1:-1])), steps  # >= 30 s apart
+    bar.close()  # the last step was printed
+    assert stream.getvalue().splitlines() == lines
+    # Slow steps: 5% of 100 steps is 5 steps of 10 s, later than 30 s.
+    bar, stream, now = _log_bar(100, desc="rl")
+    for step in range(1, 101):
+        now[0] = step * 10.0
+        bar.update(step, reward="0.50")
+    assert _printed_steps(stream, "rl") == [*range(1, 100, 5), 100]
+
+
+def test_progress_bar_close_prints_the_update_a_log_did_not_show():
+    bar, stream, now = _log_bar(2150)
+    for step in range(1, 41):  # a stage that ends early: 40 steps in 8 s, only the first printed
+        now[0] = step * 0.2
+        bar.update(step, loss="0.500")
+    assert _printed_steps(stream) == [1]
+    bar.close()
+    assert _printed_steps(stream) == [1, 40] and stream.getvalue().splitlines()[-1] == bar.last_line
+    bar.close()  # once
+    assert _printed_steps(stream) == [1, 40]
+
+
+def test_progress_bar_on_a_terminal_redraws_every_update_in_place():
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    stream, now = Terminal(), [0.0]
+    bar = ProgressBar(2150, desc="sft", stream=stream, clock=lambda: now[0])
+    for step in range(1, 11):
+        now[0] = step * 0.2
+        bar.update(step)
+    text = stream.getvalue()
+    assert text.count("\r\x1b[2K") == 10 and "\n" not in text and text.endswith(bar.last_line)
+    bar.close()
+    assert stream.getvalue() == text + "\n"
 
 
 def _traj(group, reward, calls, errors, answers, length, finish="no_tool_call"):
