@@ -3,6 +3,9 @@ compilation cache.
 
 All must be set before jax is imported anywhere, which is why this happens at the top of
 conftest.py rather than in a fixture.
+
+A run of the whole default suite (the README's test command, CI) also lists its 25 slowest tests
+and fails when it collects fewer tests than tests/collected_floor.txt records.
 """
 
 import os
@@ -59,6 +62,84 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="no GPU visible to jax (run with JAX_PLATFORMS=cuda,cpu on a GPU machine)")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+# -- the whole suite: its slowest tests and a floor under its collected count -----------------------
+
+TESTS_DIR = _REPO / "tests"
+COLLECTED_FLOOR_FILE = TESTS_DIR / "collected_floor.txt"
+SLOWEST_REPORTED = 25
+
+
+def read_collected_floor(path: pathlib.Path = COLLECTED_FLOOR_FILE) -> int:
+    """The recorded count: the file's one line that is not blank or a `#` comment."""
+    values = [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    if len(values) != 1 or not values[0].isdigit():
+        raise ValueError(f"{path}: expected one line with the number of collected tests, got {values}")
+    return int(values[0])
+
+
+def collected_floor_problem(collected: int, floor: int) -> str | None:
+    """Why a whole-suite run that collected `collected` tests fails against the recorded `floor`
+    (None: it does not)."""
+    if collected >= floor:
+        return None
+    return (f"collected {collected} tests, fewer than the recorded {floor}: a test was removed or not collected; "
+            f"update {COLLECTED_FLOOR_FILE.relative_to(_REPO)} deliberately if so")
+
+
+def _default_markexpr(config) -> str:
+    """The `-m` expression of pyproject's addopts (what a run that names none selects)."""
+    args = config.getini("addopts")
+    return next((value for flag, value in reversed(list(zip(args, args[1:]))) if flag == "-m"), "")
+
+
+def whole_default_suite(config) -> bool:
+    """Whether this process runs the whole default suite: all of tests/ with the default selection
+    (no -k, other -m, --deselect, --ignore, --lf or --sw). Not on a pytest-xdist worker: its
+    controller gets the workers' collections and reports for them."""
+    if hasattr(config, "workerinput"):
+        return False
+    option = config.option
+    if (option.keyword or option.markexpr != _default_markexpr(config) or option.deselect or option.ignore
+            or option.ignore_glob or getattr(option, "lf", False) or getattr(option, "stepwise", False)
+            or getattr(option, "stepwise_skip", False)):
+        return False
+    return bool(config.args) and all(pathlib.Path(config.invocation_params.dir, arg).resolve() == TESTS_DIR
+                                     for arg in config.args)
+
+
+def pytest_configure(config):
+    if whole_default_suite(config) and config.option.durations is None:
+        config.option.durations = SLOWEST_REPORTED
+
+
+_FLOOR_REPORT = pytest.StashKey[list]()  # (line, failed) for the terminal summary
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    # session.testscollected: the items this process collected, or under pytest-xdist the count the
+    # controller takes from its workers' collections; both after -m's deselection.
+    if exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED) or not whole_default_suite(session.config):
+        return
+    floor = read_collected_floor()
+    report = session.config.stash.setdefault(_FLOOR_REPORT, [])
+    problem = collected_floor_problem(session.testscollected, floor)
+    if problem:
+        report.append((problem, True))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    elif session.testscollected > floor:
+        report.append((f"collected {session.testscollected} tests, more than the recorded {floor}: raise "
+                       f"{COLLECTED_FLOOR_FILE.relative_to(_REPO)} to {session.testscollected} so that losing "
+                       f"them fails", False))
+
+
+@pytest.hookimpl(trylast=True)  # after the durations
+def pytest_terminal_summary(terminalreporter):
+    for line, failed in terminalreporter.config.stash.get(_FLOOR_REPORT, []):
+        terminalreporter.write_sep("=", "collected tests", red=failed, yellow=not failed)
+        terminalreporter.write_line(line, red=failed, yellow=not failed, bold=failed)
 
 
 def xla_flags(devices: int = 1) -> str:
