@@ -259,6 +259,13 @@ def get_config() -> ml_collections.ConfigDict:
     # rate constant until the last stage). 0: every stage runs whole.
     c.sft.advance_loss = 0.0
     c.sft.advance_window = 50
+    # Or once this share of its sft.advance_probe held-out conversations (the last ones of its file,
+    # then not trained on) is what greedy decoding writes (every trained token above probability one
+    # half, given the conversation's other turns), measured every sft.advance_every steps: for a stage
+    # whose answers follow from their prompts, the criterion that it has learned them. 0: not used.
+    c.sft.advance_exact = 0.0
+    c.sft.advance_every = 25
+    c.sft.advance_probe = 64
     c.sft.batch_size = 128
     c.sft.max_length = 8192  # spec §5.1: not given in the paper; our choice
     c.sft.pack = True

@@ -339,12 +339,21 @@ def sft_batches(config, tokenizer: Tokenizer, template: ChatTemplate, files: Seq
         if not stage:
             raise DataError(f"{path}: no conversation left to train on ({dropped}; sft.max_length={c.max_length})")
         stages.append(stage)
+    # sft.advance_exact measures each stage that can end early on its last sft.advance_probe
+    # conversations, which it then does not train on.
+    held_out: list[list] = [[] for _ in stages]
+    if c.advance_exact:
+        for i, (path, stage) in enumerate(zip(files[:-1], stages[:-1])):
+            if len(stage) <= c.advance_probe:
+                raise ConfigError(f"config.sft.advance_probe: holds out {c.advance_probe} conversations of {path} to "
+                                  f"measure sft.advance_exact on, but it has only {len(stage)} to train on")
+            stages[i], held_out[i] = stage[:-c.advance_probe], stage[-c.advance_probe:]
     sequences = [sequence for stage in stages for sequence in stage]
     row_length = row_length_for(c.max_length, 1)
     per_shard = max(1, c.micro_batch_tokens // row_length)  # one row of sft.max_length at least
     return SftBatches(sequences, conversations_per_step=min(c.batch_size, min(map(len, stages))),
                       rows=data_parallel(mesh) * per_shard, row_length=row_length, seed=config.seed,
-                      stage_sizes=tuple(len(stage) for stage in stages))
+                      stage_sizes=tuple(len(stage) for stage in stages), held_out=tuple(map(tuple, held_out)))
 
 
 def metrics_writer(config) -> MetricsWriter:

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import dataclasses
 import pathlib
+from collections.abc import Callable
 
 import numpy as np
 from jax.sharding import Mesh
@@ -28,7 +29,8 @@ from rstar_jax.train.checkpoint import Checkpointer, checkpoints_directory
 from rstar_jax.app.held_out import HeldOutEvaluation
 from rstar_jax.train.loop import PromptLookahead, RLLoop, StageAdvance, is_rl_line, sft_loop, stream_continuation
 from rstar_jax.train.metrics import MetricsWriter
-from rstar_jax.train.step import lr_schedule, make_optimizer, wsd_decay_start
+from rstar_jax.train.sft import greedy_reproduced
+from rstar_jax.train.step import lr_schedule, make_optimizer, place_batch, wsd_decay_start
 from rstar_jax.train.trainer import RLTrainer
 
 
@@ -87,7 +89,14 @@ def run_sft(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempl
     batches = builders.sft_batches(config, tokenizer, template, conversation_files, mesh)
     total = config.sft.epochs * batches.steps_per_epoch()
     optimizer_config = resolve.sft_optimizer_config(config, total)
-    advance = _stage_advance(config, batches.stage_steps(), optimizer_config)
+    probe_batches = [batches.held_out_batch(stage) for stage in range(len(batches.stage_steps()))]
+    probe_batches = [place_batch(batch, mesh) if batch is not None else None for batch in probe_batches]
+
+    def probe(stage: int) -> tuple[int, int]:
+        reproduced, total = greedy_reproduced(model, probe_batches[stage], chunk_size=config.rl.logprob_chunk_size)
+        return int(reproduced), int(total)
+
+    advance = _stage_advance(config, batches.stage_steps(), optimizer_config, probe)
     optimizer = make_optimizer(model, optimizer_config)
     start, resumed_state = 0, {}
     if checkpointer is not None and checkpointer.latest_step() is not None:
@@ -106,25 +115,29 @@ def run_sft(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempl
                     advance=advance, resumed_state=resumed_state)
 
 
-def _stage_advance(config, stage_steps: list[int], optimizer_config) -> StageAdvance | None:
-    """`sft.advance_loss` as the loop applies it, once the stages' lengths are known: a stage that
-    ends early skips its remaining steps in the schedule, so the rate must be constant over them."""
-    if not config.sft.advance_loss:
+def _stage_advance(config, stage_steps: list[int], optimizer_config,
+                   probe: Callable[[int], tuple[int, int]] | None = None) -> StageAdvance | None:
+    """`sft.advance_exact` and `sft.advance_loss` as the loop applies them, once the stages' lengths
+    are known: a stage that ends early skips its remaining steps in the schedule, so the rate must
+    be constant over them. `probe(stage)`: (held-out conversations reproduced, held out)."""
+    if not (config.sft.advance_loss or config.sft.advance_exact):
         return None
+    field = "sft.advance_exact" if config.sft.advance_exact else "sft.advance_loss"
     if len(stage_steps) < 2:
-        raise ConfigError("config.sft.advance_loss: ends an SFT stage other than the last early, but there is one "
+        raise ConfigError(f"config.{field}: ends an SFT stage other than the last early, but there is one "
                           "stage (one file in sft.train_files, or one entry in data.synthetic.sft_stages); set it to 0")
     last_stage_start = sum(stage_steps[:-1])
     schedule = optimizer_config.schedule
     decay_start = wsd_decay_start(optimizer_config) if schedule == "wsd" else optimizer_config.total_steps
     if schedule == "cosine" or (schedule == "wsd" and decay_start < last_stage_start):
         where = "decays over every step" if schedule == "cosine" else f"decays from step {decay_start}"
-        raise ConfigError(f"config.sft.advance_loss: a stage that ends early skips the rest of its steps, so the rate "
+        raise ConfigError(f"config.{field}: a stage that ends early skips the rest of its steps, so the rate "
                           f"must be constant until the last stage starts (step {last_stage_start}), but "
                           f"sft.schedule={schedule!r} {where}: use 'wsd' with a sft.decay_ratio of at most "
                           f"{stage_steps[-1] / optimizer_config.total_steps:.4f}, or 'constant'")
     return StageAdvance(loss=config.sft.advance_loss, window=config.sft.advance_window,
-                        after_step=optimizer_config.warmup_steps)
+                        after_step=optimizer_config.warmup_steps, exact=config.sft.advance_exact,
+                        every=config.sft.advance_every, probe=probe)
 
 
 @dataclasses.dataclass

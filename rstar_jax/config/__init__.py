@@ -620,10 +620,14 @@ def _check_values(check: Checker) -> None:
         check.build(lambda: resolve.sft_optimizer_config(config, 1 << 30))
     _check_optimizer_bounds(check)
     check.positive_int("sft.advance_window")
-    if check.range("sft.advance_loss", 0.0, None) and config.sft.advance_loss and check.ok("sft.epochs"):
-        check.require(config.sft.epochs == 1, "sft.advance_loss",
-                      f"ends a stage early within the one pass over the stages: needs sft.epochs=1, got "
-                      f"{config.sft.epochs} (or set it to 0)")
+    check.positive_int("sft.advance_every")
+    check.positive_int("sft.advance_probe")
+    for field in ("sft.advance_loss", "sft.advance_exact"):
+        upper = 1.0 if field == "sft.advance_exact" else None
+        if check.range(field, 0.0, upper) and check.value(field) and check.ok("sft.epochs"):
+            check.require(config.sft.epochs == 1, field,
+                          f"ends a stage early within the one pass over the stages: needs sft.epochs=1, got "
+                          f"{config.sft.epochs} (or set it to 0)")
     check.positive_int("sft.batch_size")
     if check.positive_int("sft.max_length") and model is not None:
         check.require(config.sft.max_length <= model.max_position_embeddings, "sft.max_length",

@@ -39,12 +39,40 @@ def is_rl_line(record: dict) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class StageAdvance:
-    """When an SFT stage other than the last ends early: once the mean loss of its last `window`
-    steps is below `loss`, at step `after_step` or later (the schedule is constant from there)."""
+    """When an SFT stage other than the last ends early, from step `after_step` on (the schedule is
+    constant from there), by whichever criterion holds first:
 
-    loss: float
-    window: int
+    - `exact`: every `every` steps, `probe(stage)` -> (reproduced, held out) counts the stage's
+      held-out conversations that greedy decoding reproduces (`sft.greedy_reproduced`); the stage
+      ends once that share reaches `exact` (0: not used);
+    - `loss`: the mean loss of its last `window` steps falls below `loss` (0: not used).
+    """
+
+    loss: float = 0.0
+    window: int = 50
     after_step: int = 0
+    exact: float = 0.0
+    every: int = 25
+    probe: Callable[[int], tuple[int, int]] | None = None
+
+    def __post_init__(self):
+        if self.exact and self.probe is None:
+            raise ValueError("StageAdvance: exact needs a probe")
+
+    def measures(self, step: int) -> bool:
+        return bool(self.exact) and step >= self.after_step and step % self.every == 0
+
+    def reason(self, step: int, losses: Sequence[float], reproduced: tuple[int, int] | None) -> str:
+        """Why the stage ends after `step` ('' while it goes on)."""
+        if step < self.after_step:
+            return ""
+        if reproduced is not None and reproduced[1] and reproduced[0] / reproduced[1] >= self.exact:
+            return (f"{reproduced[0]} of its {reproduced[1]} held-out conversations reproduced by greedy decoding "
+                    f"({reproduced[0] / reproduced[1]:.3f} >= sft.advance_exact {self.exact:g})")
+        if self.loss and len(losses) == self.window and sum(losses) / len(losses) < self.loss:
+            return (f"its last {self.window} steps' mean loss {sum(losses) / len(losses):.4g} < sft.advance_loss "
+                    f"{self.loss:g}")
+        return ""
 
 
 def sft_loop(model, optimizer, batches: SftBatches, *, epochs: int, mesh: Mesh | None, chunk_size: int,
@@ -55,9 +83,10 @@ def sft_loop(model, optimizer, batches: SftBatches, *, epochs: int, mesh: Mesh |
 
     Steps keep the numbers of the full plan: a stage left early (`advance`) skips its remaining
     numbers, and the learning-rate schedule skips them too, so later stages see the rates planned
-    for them."""
+    for them. A stage that can end early prints why it ended (its criterion, or its last step) and
+    logs `sft/held_out_reproduced` at each measurement."""
     total = epochs * batches.steps_per_epoch()
-    bar = ProgressBar(total, desc="sft") if progress else None
+    bar = ProgressBar(total, desc="sft", start_step=start) if progress else None
     step, last = 0, {}
     stage_steps = batches.stage_steps()
     try:
@@ -68,16 +97,17 @@ def sft_loop(model, optimizer, batches: SftBatches, *, epochs: int, mesh: Mesh |
                     step = stage_end
                     continue
                 can_advance = advance is not None and stage < len(stage_steps) - 1
-                # The stage's latest losses; a resume inside the stage restores them from its checkpoint.
-                recent = collections.deque((resumed_state or {}).get("stage_losses", []) if step < start else [],
-                                           maxlen=advance.window if can_advance else 1)
+                # The stage's latest losses and whether it has ended: a resume inside the stage
+                # restores them from its checkpoint.
+                resumed = (resumed_state or {}) if step < start else {}
+                recent = collections.deque(resumed.get("stage_losses", []), maxlen=advance.window if can_advance else 1)
+                ended_by = resumed.get("stage_ended", "") if can_advance else ""
+                reproduced = None
                 for batch in stage_batches:
-                    # Decided before the next step, so a run resumed at a step that ended its stage ends it too.
-                    if (can_advance and start <= step and step >= advance.after_step
-                            and len(recent) == advance.window and sum(recent) / len(recent) < advance.loss):
-                        print(f"[sft] stage {stage + 1} ended at step {step} of {stage_end}: its last {advance.window} "
-                              f"steps' mean loss {sum(recent) / len(recent):.4g} < sft.advance_loss {advance.loss:g}",
-                              flush=True)
+                    # Decided after a step and acted on before the next, so a run resumed at the
+                    # step that ended its stage ends it too.
+                    if ended_by and start <= step:
+                        print(f"[sft] stage {stage + 1} ended at step {step} of {stage_end}: {ended_by}", flush=True)
                         skip_schedule_to(optimizer, stage_end)
                         step = stage_end
                         break
@@ -89,10 +119,22 @@ def sft_loop(model, optimizer, batches: SftBatches, *, epochs: int, mesh: Mesh |
                     last = {"sft/loss": float(out["loss"]), "sft/tokens": float(out["tokens"]),
                             "sft/grad_norm": float(out["grad_norm"]), "sft/stage": stage + 1,
                             "time/sft_step_s": time.perf_counter() - t0}
-                    metrics.write(step, last)
                     recent.append(last["sft/loss"])
+                    if can_advance:
+                        if advance.measures(step):
+                            reproduced = tuple(int(n) for n in advance.probe(stage))
+                            last["sft/held_out_reproduced"] = reproduced[0] / max(reproduced[1], 1)
+                        ended_by = advance.reason(step, recent, reproduced)
+                        if not ended_by and step == stage_end:
+                            shown = (f"{reproduced[0]} of its {reproduced[1]} held-out conversations reproduced by "
+                                     f"greedy decoding when last measured" if reproduced else
+                                     f"its last {len(recent)} steps' mean loss {sum(recent) / len(recent):.4g}")
+                            print(f"[sft] stage {stage + 1} took all its steps, to {step}, no criterion met: {shown}",
+                                  flush=True)
+                    metrics.write(step, last)
                     if save is not None:
-                        save(step, step == total, {"stage_losses": list(recent) if can_advance else []})
+                        save(step, step == total, {"stage_losses": list(recent) if can_advance else [],
+                                                   **({"stage_ended": ended_by} if ended_by else {})})
                     if bar:
                         bar.update(step, loss=f"{last['sft/loss']:.3f}")
     finally:

@@ -120,6 +120,40 @@ def eval_nll(model, batch, chunk_size: int = 1024):
     return metrics["loss_sum"] / jnp.maximum(metrics["token_count"], 1.0)
 
 
+# A trained token whose probability is above one half is the greedy choice, whatever the vocabulary.
+_LOG_HALF = float(np.log(0.5))
+
+
+def _greedy_counts(model, mb, chunk_size: int):
+    """(sequences of micro-batch `mb` whose every trained token has probability above one half,
+    sequences with a trained token): a sequence counted in the first is what greedy decoding
+    writes, token for token, given its context turns. Sequences are (row, segment) pairs."""
+    hidden = model.hidden_states(mb["input_ids"], mb["positions"], mb["segment_ids"])
+    logprobs = token_logprobs(hidden, model.unembedding(), mb["targets"], chunk_size=chunk_size)
+    trained = mb["loss_mask"] > 0
+    unsure = trained & (logprobs <= _LOG_HALF)
+    segments = mb["segment_ids"]
+    per_segment = jax.vmap(lambda values, ids: jax.ops.segment_sum(values, ids, num_segments=segments.shape[-1] + 1))
+    trained_tokens = per_segment(trained.astype(jnp.int32), segments)
+    unsure_tokens = per_segment(unsure.astype(jnp.int32), segments)
+    has_trained = trained_tokens > 0
+    return jnp.sum(has_trained & (unsure_tokens == 0)), jnp.sum(has_trained)
+
+
+@nnx.jit(static_argnames=("chunk_size",))
+def greedy_reproduced(model, batch, chunk_size: int = 1024):
+    """(reproduced, sequences) over the [M, rows, T] micro-batches of `batch`: how many of its
+    sequences greedy decoding reproduces with a margin (every trained token above probability one
+    half; with the other tokens as context, as teacher forcing gives them). For a stage whose
+    conversations follow from their prompts (the tiny run's tool calls: the factors copied into
+    the call, the tool's output into the answer) it is the share a policy gets right by itself."""
+    reproduced, total = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+    for m in range(batch["input_ids"].shape[0]):
+        r, t = _greedy_counts(model, {k: v[m] for k, v in batch.items()}, chunk_size)
+        reproduced, total = reproduced + r, total + t
+    return reproduced, total
+
+
 @dataclasses.dataclass
 class SftBatches:
     """Packs sequences into fixed-shape batches of `conversations_per_step` conversations.
@@ -134,6 +168,8 @@ class SftBatches:
     row_length: int
     seed: int = 0
     stage_sizes: Sequence[int] = ()
+    # Per stage, conversations kept out of training to measure it on (`sft.advance_exact`).
+    held_out: Sequence[Sequence[TrainingSequence]] = ()
 
     def _stages(self) -> list[range]:
         sizes = list(self.stage_sizes) or [len(self.sequences)]
@@ -167,6 +203,11 @@ class SftBatches:
             chosen = [self.sequences[i] for i in order[s * n:(s + 1) * n]]
             yield make_micro_batches(chosen, rows=self.rows, row_length=self.row_length, packed=True,
                                      num_micro_batches=self.num_micro_batches())
+
+    def held_out_batch(self, stage: int) -> dict[str, np.ndarray] | None:
+        """Stage `stage`'s held-out sequences in as many micro-batches as they need (None: none)."""
+        sequences = self.held_out[stage] if stage < len(self.held_out) else ()
+        return make_micro_batches(sequences, rows=self.rows, row_length=self.row_length, packed=True) if sequences else None
 
     def num_micro_batches(self) -> int:
         """Every step's count: what `conversations_per_step` of the longest conversation need, so

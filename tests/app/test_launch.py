@@ -201,3 +201,36 @@ def test_rl_on_two_serve_servers_behind_the_kv_scheduler(tmp_path, tiny_run_dir)
         assert versions == {first}  # the version is the 1-based step of the update
     rewards = [r["reward"] for r in iter_rollouts(run)]
     assert len(rewards) == 2 * 4 * 8
+
+
+def test_the_warm_ups_first_stage_ends_when_its_held_out_conversations_are_reproduced(tmp_path):
+    """sft.advance_exact through the launcher: the first stage's last sft.advance_probe conversations
+    are held out (its steps count the rest), measured every sft.advance_every steps, and the stage
+    ends right after the first measurement at the threshold (every earlier one was below it); the
+    run says which criterion ended it and at which step; the second stage then takes its steps."""
+    import json
+
+    def conversations(path, n, reply):
+        rows = [{"messages": [{"role": "user", "content": f"Reply to number {i}."},
+                              {"role": "assistant", "content": reply}]} for i in range(n)]
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return str(path)
+
+    first, second = conversations(tmp_path / "a.jsonl", 200, "ok"), conversations(tmp_path / "b.jsonl", 16, "done")
+    run = tmp_path / "run"
+    result = _launch(f"--config.run_dir={run}", "--config.mode=sft", "--config.data.synthetic.enabled=False",
+                     f"--config.sft.train_files=('{first}','{second}')", "--config.sft.batch_size=4",
+                     "--config.sft.micro_batch_tokens=1024", "--config.sft.advance_exact=1.0",
+                     "--config.sft.advance_every=3", "--config.sft.advance_probe=8", "--config.sft.advance_loss=0",
+                     "--config.checkpoint.export_hf_final=False", cwd=tmp_path, env={"XLA_FLAGS": xla_flags()})
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    measured = [(r["step"], r["sft/held_out_reproduced"]) for r in lines if "sft/held_out_reproduced" in r]
+    stage_1 = [r["step"] for r in lines if r.get("sft/stage") == 1]
+    end = stage_1[-1]
+    assert measured and measured[-1] == (end, 1.0), measured  # it ended at the first measurement at 1.0
+    assert [step for step, _ in measured] == list(range(3, end + 1, 3)) and all(v < 1.0 for _, v in measured[:-1])
+    assert end < (200 - 8) // 4 == 48  # the stage's planned steps: its conversations less the 8 held out
+    assert (f"[sft] stage 1 ended at step {end} of 48: 8 of its 8 held-out conversations reproduced by greedy "
+            f"decoding (1.000 >= sft.advance_exact 1)") in result.stdout
+    assert [r["step"] for r in lines if r.get("sft/stage") == 2] == [49, 50, 51, 52]

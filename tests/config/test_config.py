@@ -193,6 +193,11 @@ def test_tiny_config_describes_a_tiny_model():
     ({"sft.advance_loss": 0.01}, r"config.sft.advance_loss: ends a stage early within the one pass over the "
                                  r"stages: needs sft.epochs=1, got 3"),
     ({"sft.advance_window": 0}, r"config.sft.advance_window: must be a positive integer, got 0"),
+    ({"sft.advance_exact": 1.5}, r"config.sft.advance_exact: must be in \[0.0, 1.0\], got 1.5"),
+    ({"sft.advance_exact": 0.9}, r"config.sft.advance_exact: ends a stage early within the one pass over the "
+                                 r"stages: needs sft.epochs=1, got 3"),
+    ({"sft.advance_every": 0}, r"config.sft.advance_every: must be a positive integer, got 0"),
+    ({"sft.advance_probe": -1}, r"config.sft.advance_probe: must be a positive integer, got -1"),
     ({"rollout.ready_timeout_s": 0}, r"config.rollout.ready_timeout_s: must be in \(0.0, 86400.0\], got 0"),
     ({"checkpoint.export_dtype": "int8"}, r"config.checkpoint.export_dtype: must be '' \(the model's param_dtype\)"),
     ({"weight_sync.method": "nccl"}, r"config.weight_sync.method: must be one of \('disk', 'distributed'\)"),

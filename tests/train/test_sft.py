@@ -177,3 +177,114 @@ def test_a_stage_ends_early_and_the_schedule_skips_its_remaining_steps():
              advance=StageAdvance(loss=0.0, window=3))
     assert [step for step, _ in whole.lines] == list(range(1, 13))
 
+
+
+@pytest.mark.parametrize("data_parallel", [1, 8])
+def test_greedy_reproduced_counts_the_sequences_greedy_decoding_writes(data_parallel):
+    """`greedy_reproduced` counts a packed sequence as reproduced exactly when every trained token
+    holds more than half the probability (so greedy decoding writes it), per sequence and not per
+    row, on one device and with the rows split over eight; a NumPy softmax over the model's own
+    logits agrees."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from rstar_jax.model.qwen3 import Qwen3Config
+    from rstar_jax.parallel import make_mesh
+    from rstar_jax.train.batching import TrainingSequence, make_micro_batches
+    from rstar_jax.train.sft import greedy_reproduced
+
+    model = Qwen3(Qwen3Config.tiny(), rngs=nnx.Rngs(3))
+    model.lm_head[...] = model.lm_head[...] * 300.0  # near one-hot: the greedy token holds ~all the probability
+    rng = np.random.default_rng(0)
+
+    def greedy(prompt, n):
+        ids = list(prompt)
+        for _ in range(n):
+            ids.append(int(np.asarray(model(jnp.asarray([ids])))[0, -1].argmax()))
+        return ids
+
+    sequences, expected = [], []
+    for i in range(12):
+        prompt = rng.integers(1, 300, size=int(rng.integers(2, 6))).tolist()
+        ids = greedy(prompt, int(rng.integers(3, 9)))
+        mask = [0] * (len(prompt) - 1) + [1] * (len(ids) - len(prompt))  # the greedy tokens are trained
+        if i % 3 == 1:  # one trained token that is not the greedy one
+            j = int(rng.integers(len(prompt), len(ids)))
+            ids[j] = (ids[j] + 7) % 300 + 1
+        elif i % 3 == 2:  # a token that is not the greedy one, but not trained: context only
+            j = len(prompt) + 1
+            ids[j] = (ids[j] + 7) % 300 + 1
+            mask[j - 1:] = [0] * (len(mask) - j + 1)
+        expected.append(i % 3 != 1)
+        sequences.append(TrainingSequence(prompt_ids=ids[:1], response_ids=ids[1:], loss_mask=mask, advantage=1.0))
+    batch = make_micro_batches(sequences, rows=8, row_length=32, packed=True)
+    assert batch["segment_ids"].max() > 1  # several sequences share a row
+
+    logits = np.asarray(model(jnp.asarray(batch["input_ids"][0]), jnp.asarray(batch["positions"][0]),
+                              jnp.asarray(batch["segment_ids"][0])), np.float64)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    target_prob = np.take_along_axis(probs, batch["targets"][0][..., None], -1)[..., 0]
+    by_numpy = [bool(np.all(target_prob[r][(batch["segment_ids"][0][r] == s) & (batch["loss_mask"][0][r] > 0)] > 0.5))
+                for r in range(8) for s in range(1, batch["segment_ids"][0][r].max() + 1)]
+    assert sorted(by_numpy) == sorted(expected)
+
+    mesh = make_mesh(data=data_parallel, fsdp=1, tensor=1, devices=jax.devices()[:data_parallel])
+    reproduced, total = greedy_reproduced(model, place_batch(batch, mesh), chunk_size=16)
+    assert (int(reproduced), int(total)) == (sum(expected), len(expected)) == (8, 12)
+
+
+def test_a_stage_ends_once_its_held_out_conversations_are_reproduced(capsys):
+    """Under sft.advance_exact a stage ends after the first measurement (every `every` steps) whose
+    share of reproduced held-out conversations reaches the threshold, saying so with the counts; the
+    measurements are logged; a run resumed at the step that ended it ends it too; a stage that
+    never meets it takes all its steps and says so."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from rstar_jax.train.loop import StageAdvance, sft_loop
+
+    calls = []
+
+    def probe(stage):  # 1 of 4 reproduced at step 2, 3 of 4 at step 4, ...
+        calls.append(stage)
+        return min(4, len(calls) * 2 - 1), 4
+
+    model, optimizer, batches = _advance_setup()
+    saves, metrics = {}, _Records()
+
+    def save(step, final, state):
+        saves[step] = (jax.tree.map(jnp.copy, nnx.state(model)), jax.tree.map(jnp.copy, nnx.state(optimizer)), state)
+
+    advance = StageAdvance(exact=0.75, every=2, after_step=1, probe=probe)
+    sft_loop(model, optimizer, batches, epochs=1, mesh=None, chunk_size=256, metrics=metrics, save=save,
+             progress=False, advance=advance)
+    assert [step for step, _ in metrics.lines] == [1, 2, 3, 4, 9, 10, 11, 12]
+    assert [(step, r["sft/held_out_reproduced"]) for step, r in metrics.lines if "sft/held_out_reproduced" in r] == \
+        [(2, 0.25), (4, 0.75)]
+    assert calls == [0, 0]  # stage 1 only: the last stage cannot end early
+    out = capsys.readouterr().out
+    assert ("[sft] stage 1 ended at step 4 of 8: 3 of its 4 held-out conversations reproduced by greedy decoding "
+            "(0.750 >= sft.advance_exact 0.75)") in out
+    assert "stage_ended" in saves[4][2] and "stage_ended" not in saves[3][2]
+    final = nnx.state(model)
+
+    model, optimizer, batches = _advance_setup()
+    model_state, optimizer_state, state = saves[4]
+    nnx.update(model, model_state)
+    nnx.update(optimizer, optimizer_state)
+    resumed = _Records()
+    sft_loop(model, optimizer, batches, epochs=1, mesh=None, chunk_size=256, metrics=resumed, start=4,
+             progress=False, advance=advance, resumed_state=state)
+    assert [step for step, _ in resumed.lines] == [9, 10, 11, 12] and calls == [0, 0]
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(final), jax.tree.leaves(nnx.state(model))))
+
+    model, optimizer, batches = _advance_setup()
+    never = _Records()
+    sft_loop(model, optimizer, batches, epochs=1, mesh=None, chunk_size=256, metrics=never, progress=False,
+             advance=StageAdvance(exact=1.0, every=3, probe=lambda stage: (2, 4)))
+    assert [step for step, _ in never.lines] == list(range(1, 13))
+    assert ("[sft] stage 1 took all its steps, to 8, no criterion met: 2 of its 4 held-out conversations reproduced "
+            "by greedy decoding when last measured") in capsys.readouterr().out
