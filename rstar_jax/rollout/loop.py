@@ -56,6 +56,7 @@ from rstar_jax.rollout.trajectory import (
     STOP_MAX_TURNS,
     STOP_NO_TOOL_CALL,
     STOP_REJECTED,
+    TOKEN_BUFFERS,
     Trajectory,
 )
 
@@ -91,6 +92,10 @@ class LoopConfig:
     # A turn the generator aborts is continued from its partial output this many times per
     # trajectory (partial rollout); the next abort ends the trajectory unscored.
     max_abort_resumes: int = 8
+    # How a trajectory holds its per-token fields (rstar_jax.rollout.trajectory.TOKEN_BUFFERS):
+    # "array", typed TokenArrays (13 bytes a token); "list", Python lists (the baseline that
+    # benchmarks/host_rollout.py measures beside them).
+    token_buffers: str = "array"
 
     def __post_init__(self):
         if self.max_calls_per_turn < 1:
@@ -107,6 +112,8 @@ class LoopConfig:
             raise ValueError(f"LoopConfig.top_k must be -1 (off) or >= 1, got {self.top_k}")
         if self.max_abort_resumes < 0:
             raise ValueError(f"LoopConfig.max_abort_resumes must be >= 0, got {self.max_abort_resumes}")
+        if self.token_buffers not in TOKEN_BUFFERS:
+            raise ValueError(f"LoopConfig.token_buffers must be one of {TOKEN_BUFFERS}, got {self.token_buffers!r}")
 
 _rid_counter = itertools.count()
 
@@ -166,9 +173,9 @@ async def run_trajectory(
     and the in-flight tool call.
     """
     template = template or ChatTemplate(tool_name=config.tool_name)
-    prompt_ids = template.prompt_ids(tokenizer, question)
-    traj = Trajectory(prompt_ids=prompt_ids, group_id=group_id, sample_index=sample_index, question=question,
-                      gold_answer=gold_answer)
+    traj = Trajectory.begin(template.prompt_ids(tokenizer, question), buffers=config.token_buffers,
+                            group_id=group_id, sample_index=sample_index, question=question, gold_answer=gold_answer)
+    prompt_ids = traj.prompt_ids
     trajectory_rid = _new_rid()
     seed = None if config.seed is None else trajectory_seed(config.seed, group_id, sample_index)
     if scheduler is None and generator is None:
@@ -207,16 +214,12 @@ async def run_trajectory(
                 break
             if result is None:
                 traj.n_failovers += 1
-                del traj.response_ids[len(traj.response_ids) - len(turn_ids):]  # the turn restarts whole
-                for name in ("loss_mask", "sampler_logprobs", "policy_versions"):
-                    del getattr(traj, name)[len(traj.response_ids):]
+                traj.truncate_response(len(traj.response_ids) - len(turn_ids))  # the turn restarts whole
                 turn_ids = []
                 continue
-            traj.response_ids += list(result.token_ids)
-            traj.loss_mask += [1] * len(result.token_ids)
-            traj.sampler_logprobs += [float(x) for x in result.logprobs]
-            traj.policy_versions += (list(result.token_versions) if result.token_versions is not None
-                                     else [result.weight_version] * len(result.token_ids))
+            traj.extend_sampled(result.token_ids, result.logprobs,
+                                result.token_versions if result.token_versions is not None
+                                else int(result.weight_version))
             traj.n_retractions += result.num_retractions
             turn_ids += list(result.token_ids)
             if result.finish_reason == FINISH_ABORT:
@@ -263,10 +266,8 @@ async def run_trajectory(
             if len(traj.response_ids) + len(obs_ids) >= config.response_budget:
                 traj.finish_reason, traj.truncated = STOP_BUDGET, True
                 break
-            traj.response_ids += obs_ids
-            traj.loss_mask += [0] * len(obs_ids)
-            traj.sampler_logprobs += [0.0] * len(obs_ids)
-            traj.policy_versions += [-1] * len(obs_ids)
+            traj.extend_observation(obs_ids)
+    traj.trim()  # held until the update: no spare capacity
     text = "".join(model_text)
     traj.n_answer_tags = count_answer_tags(text)
     traj.extra["model_text"] = text

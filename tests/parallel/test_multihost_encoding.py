@@ -10,13 +10,17 @@ import pytest
 
 from rstar_jax.parallel import multihost
 from rstar_jax.parallel.multihost import allgather_arrays, decode_arrays, encode_arrays
+from rstar_jax.rollout.tokens import TokenArray
 from rstar_jax.rollout.trajectory import Trajectory, pack_trajectories, unpack_trajectories
 
 TEXTS = ["", "plain", "ünïcödé ∑ 𝔽 — 数学 🤖", "line\nbreak\t\"quoted\" \\ back", "lone \ud800 surrogate", "\x00nul"]
 
 
 def _typed(value):
-    """`value` with every leaf paired with its type: equality then also checks types (1 vs 1.0 vs True)."""
+    """`value` with every leaf paired with its type: equality then also checks types (1 vs 1.0 vs True).
+    A TokenArray (the decoded per-token fields) reads as the list of Python numbers it holds."""
+    if isinstance(value, TokenArray):
+        value = value.tolist()
     if isinstance(value, dict):
         return {"dict": [(_typed(k), _typed(v)) for k, v in value.items()]}  # key order too
     if isinstance(value, (list, tuple)):
