@@ -38,6 +38,14 @@ SGLang 0.5.x versions differ; each client detects its server once and remembers 
   version than the request was sent under, after this client paused it in place, gets every token
   labelled with the older version: staleness is overstated, never understated.
 
+Wire format: request bodies and responses go through orjson (`codec="orjson"`, the default; SGLang
+itself answers with orjson): input ids leave as the TokenArray (or numpy array) they are held in,
+without a Python list, and a response's ids and log-probs come back as TokenArrays (int32 ids,
+float32 log-probs, each wider where a value needs it). A response orjson refuses (NaN or Infinity
+tokens, which only a standard-library server writes) is read by the standard library instead.
+`codec="json"` keeps the path before: the standard library through aiohttp's `json=`, Python lists
+of ids and log-probs (the baseline `benchmarks/host_rollout.py` measures beside it).
+
 Errors: connection failures and HTTP 502/503/504 are retried a bounded number of times with
 exponential backoff (a `/generate` only when it cannot have reached the server), then raise
 `SGLangUnavailable` naming the server, endpoint and last error; so do other 5xx answers and timeouts
@@ -56,6 +64,8 @@ import pathlib
 from typing import Any, Sequence
 
 import aiohttp
+import numpy as np
+import orjson
 
 from rstar_jax.rollout.protocol import (
     FINISH_REASONS,
@@ -65,6 +75,7 @@ from rstar_jax.rollout.protocol import (
     SamplingParams,
     new_rid,
 )
+from rstar_jax.rollout.tokens import TokenArray
 from rstar_jax.rollout.sglang_errors import (  # noqa: F401  (re-exported)
     ABSENT_STATUSES,
     LOAD_ROUTES,
@@ -87,12 +98,21 @@ log = logging.getLogger(__name__)
 
 _warned_nondeterministic: set[str] = set()  # servers already warned about (once per process)
 
+# The JSON codec of a client (`SGLangGenerator(codec=...)`): "orjson" (the default: bytes both ways,
+# numpy input ids serialised natively, TokenArrays out) or "json" (the standard library through
+# aiohttp, Python lists out: the path before orjson, kept as a baseline).
+CODECS = ("orjson", "json")
+_JSON_HEADERS = {"Content-Type": "application/json"}
 
-def parse_generate_response(body: dict, *, url: str = "server") -> GenerateResult:
-    """Turns one `/generate` JSON object (SGLang's non-streaming response) into a GenerateResult."""
+
+def parse_generate_response(body: dict, *, url: str = "server", arrays: bool = False) -> GenerateResult:
+    """Turns one `/generate` JSON object (SGLang's non-streaming response) into a GenerateResult.
+    arrays: token ids and log-probs as TokenArrays (int32 and float32, wider where a value needs it),
+    read with numpy; else Python lists, element by element."""
     try:
         meta = body["meta_info"]
-        output_ids = [int(t) for t in body["output_ids"]]
+        output_ids = body["output_ids"]
+        output_ids = (_id_array(output_ids) if arrays else [int(t) for t in output_ids])
         finish = meta["finish_reason"]
     except (KeyError, TypeError) as e:
         raise SGLangError(f"{url}: /generate response lacks {e}: {str(body)[:300]}") from e
@@ -102,11 +122,14 @@ def parse_generate_response(body: dict, *, url: str = "server") -> GenerateResul
                           "(the request must set return_logprob)")
     if len(triples) != len(output_ids):
         raise SGLangError(f"{url}: {len(output_ids)} output_ids but {len(triples)} output_token_logprobs")
-    logprobs = []
-    for i, (triple, token) in enumerate(zip(triples, output_ids)):
-        if int(triple[1]) != token:
-            raise SGLangError(f"{url}: output_token_logprobs[{i}] is for token {triple[1]}, output_ids has {token}")
-        logprobs.append(float(triple[0]))
+    if arrays:
+        output_ids, logprobs = _token_arrays(output_ids, triples, url)
+    else:
+        logprobs = []
+        for i, (triple, token) in enumerate(zip(triples, output_ids)):
+            if int(triple[1]) != token:
+                raise SGLangError(f"{url}: output_token_logprobs[{i}] is for token {triple[1]}, output_ids has {token}")
+            logprobs.append(float(triple[0]))
     if finish is None:
         raise SGLangError(f"{url}: /generate returned an unfinished (streaming) chunk")
     status = finish.get("status_code") if isinstance(finish, dict) else None
@@ -122,6 +145,38 @@ def parse_generate_response(body: dict, *, url: str = "server") -> GenerateResul
                           num_retractions=int(meta.get("num_retractions") or 0),
                           cached_tokens=int(meta.get("cached_tokens") or 0),
                           token_versions=None if spans is None else token_versions(spans, len(output_ids), url))
+
+
+def _id_array(output_ids: Any) -> np.ndarray:
+    """SGLang's output_ids as int64 (a TypeError, as `int()` of the list path raises, when they are
+    not a list of ids)."""
+    try:
+        ids = np.array(output_ids, dtype=np.int64)
+    except (ValueError, OverflowError) as e:
+        raise TypeError(f"output_ids are not token ids ({e})") from e
+    if ids.ndim != 1:
+        raise TypeError(f"output_ids are not a list of token ids: {str(output_ids)[:100]}")
+    return ids
+
+
+def _token_arrays(output_ids: np.ndarray, triples: list, url: str) -> tuple[TokenArray, TokenArray]:
+    """`ids` (output_ids as `_id_array` read them) and the log-probs of SGLang's [logprob, token id,
+    text] triples as TokenArrays, each triple's id checked against `ids` (as the list path does,
+    with the same message)."""
+    ids = output_ids
+    if not triples:
+        return TokenArray(ids), TokenArray((), np.float32)
+    columns = list(zip(*triples))
+    if len(columns) < 2 or len(columns[0]) != len(triples):
+        raise SGLangError(f"{url}: output_token_logprobs are not [logprob, token_id, text] triples: "
+                          f"{str(triples)[:300]}")
+    logprobs = np.array(columns[0], dtype=np.float64)
+    triple_ids = np.array(columns[1], dtype=np.int64)
+    wrong = np.flatnonzero(triple_ids != ids)
+    if wrong.size:
+        i = int(wrong[0])
+        raise SGLangError(f"{url}: output_token_logprobs[{i}] is for token {triples[i][1]}, output_ids has {ids[i]}")
+    return TokenArray(ids), TokenArray(logprobs, np.float32)
 
 
 def token_versions(spans: Any, count: int, url: str = "server") -> tuple[int, ...]:
@@ -171,9 +226,12 @@ class SGLangGenerator(SGLangWeightsMixin):
     def __init__(self, base_url: str, *, retries: int = 3, backoff_s: float = 0.5,
                  request_timeout_s: float | None = None, connect_timeout_s: float = 10.0,
                  generate_timeout_s: float | None = None,
-                 max_connections: int = 1024, vocab_size: int | None = None):
+                 max_connections: int = 1024, vocab_size: int | None = None, codec: str = "orjson"):
         if retries < 0:
             raise ValueError(f"SGLangGenerator: retries must be >= 0, got {retries}")
+        if codec not in CODECS:
+            raise ValueError(f"SGLangGenerator: codec must be one of {CODECS}, got {codec!r}")
+        self.codec = codec
         if vocab_size is not None and vocab_size < 1:
             raise ValueError(f"SGLangGenerator: vocab_size must be >= 1, got {vocab_size}")
         self.base_url = base_url.rstrip("/")
@@ -230,15 +288,24 @@ class SGLangGenerator(SGLangWeightsMixin):
         last_error, tried = "", 0
         for attempt in range(attempts):
             tried = attempt + 1
+            if self.codec == "json":
+                body_args: dict = {"json": payload}
+            else:
+                body_args = {} if payload is None else {"data": _dumps(payload), "headers": _JSON_HEADERS}
             try:
-                async with self._get_session().request(method, url, json=payload,
+                async with self._get_session().request(method, url, **body_args,
                                                        timeout=timeout or self._timeout) as response:
-                    text = await response.text()
+                    if self.codec == "json":
+                        text = await response.text()
+                    else:
+                        raw = await response.read()
                     retryable = RETRY_STATUSES if idempotent else (503,)
                     if response.status in retryable and attempt + 1 < attempts:
+                        if self.codec != "json":
+                            text = raw[:400].decode("utf-8", "replace")
                         last_error = f"HTTP {response.status}: {text[:200]}"
                     else:
-                        body = _maybe_json(text)
+                        body = _maybe_json(text) if self.codec == "json" else _loads(raw)
                         if response.status not in ok_statuses:
                             kind = (SGLangRejected if 400 <= response.status < 500 else
                                     SGLangUnavailable if response.status >= 500 else SGLangError)
@@ -260,11 +327,12 @@ class SGLangGenerator(SGLangWeightsMixin):
         return self._version
 
     async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None) -> GenerateResult:
-        ids = [int(t) for t in input_ids]
-        if not ids:
+        arrays = self.codec != "json"
+        ids = _input_array(input_ids) if arrays else [int(t) for t in input_ids]
+        if not len(ids):
             raise ValueError("generate: input_ids must be non-empty")
         vocab = await self.vocab_limit()
-        if vocab is not None and not all(0 <= t < vocab for t in ids):
+        if vocab is not None and not (_ids_within(ids, vocab) if arrays else all(0 <= t < vocab for t in ids)):
             at = next(i for i, t in enumerate(ids) if not 0 <= t < vocab)
             raise ValueError(f"{self.base_url}/generate: input_ids[{at}] = {ids[at]} is outside the model's "
                              f"vocabulary [0, {vocab}) (not sent: SGLang's embedding would fail and take the "
@@ -290,7 +358,7 @@ class SGLangGenerator(SGLangWeightsMixin):
             if len(body) != 1:
                 raise SGLangError(f"{self.base_url}/generate: expected one result, got {len(body)}")
             body = body[0]
-        result = parse_generate_response(body, url=self.base_url)
+        result = parse_generate_response(body, url=self.base_url, arrays=arrays)
         if (result.token_versions is None and self._in_place_pauses != in_place_pauses
                 and result.weight_version != sent_under):
             # Swapped under it in place, and no per-token spans: the older version for every token.
@@ -485,6 +553,37 @@ def _maybe_json(text: str) -> Any:
         return json.loads(text) if text else None
     except ValueError:
         return text
+
+
+def _dumps(payload: Any) -> bytes:
+    """A request body: orjson, numpy arrays (input ids) as JSON lists without a Python list between."""
+    return orjson.dumps(payload, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _loads(raw: bytes) -> Any:
+    """A response body: orjson; the standard library where orjson refuses (NaN / Infinity tokens);
+    the text itself when it is not JSON; None when empty."""
+    if not raw:
+        return None
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        text = raw.decode("utf-8", "replace")
+        return _maybe_json(text)
+
+
+def _input_array(input_ids: Sequence[int]) -> np.ndarray:
+    """The context as a contiguous one-dimensional integer array (a TokenArray's own buffer as is)."""
+    ids = np.asarray(input_ids)
+    if ids.dtype.kind not in "iu":
+        ids = np.asarray([int(t) for t in input_ids] if ids.dtype == object else ids, dtype=np.int64)
+    if ids.ndim != 1:
+        raise ValueError(f"generate: input_ids must be a sequence of token ids, got shape {ids.shape}")
+    return np.ascontiguousarray(ids)
+
+
+def _ids_within(ids: np.ndarray, vocab: int) -> bool:
+    return not ids.size or (int(ids.min()) >= 0 and int(ids.max()) < vocab)
 
 
 __all__ = ["SGLangError", "SGLangGenerator", "SGLangRejected", "SGLangUnavailable", "parse_generate_response", "sampling_payload"]
