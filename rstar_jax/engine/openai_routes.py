@@ -26,13 +26,13 @@ field, in OpenAI's error shape; unknown fields are refused the same way.
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from typing import Any
 
 from aiohttp import web
 
+from rstar_jax.engine.http_common import dumps, json_response, request_json
 from rstar_jax.engine.jax_engine import MAX_STOP_IDS
 from rstar_jax.rollout.protocol import FINISH_ABORT, FINISH_LENGTH, FINISH_STOP, SamplingParams
 from rstar_jax.engine.textgen import TextDecoder, TextRequest, token_texts
@@ -77,7 +77,7 @@ def error_response(message: str, *, status: int = 400, param: str | None = None,
                    kind: str = "BadRequestError") -> web.Response:
     error = {"message": message, "type": kind, "param": param, "code": status}
     # SGLang's ErrorResponse fields at the top, OpenAI's `error` object for its clients.
-    return web.json_response({"object": "error", **error, "error": error}, status=status)
+    return json_response({"object": "error", **error, "error": error}, status=status)
 
 
 def _check(condition: bool, message: str, param: str) -> None:
@@ -150,7 +150,7 @@ class OpenAIRoutes:
         if request.content_type != "application/json":
             raise OpenAIError(f"Content-Type must be application/json, got {request.content_type!r}", "Content-Type")
         try:
-            body = await request.json()
+            body = await request_json(request)
         except ValueError as e:
             raise OpenAIError(f"request body is not valid JSON: {e}", None) from None
         _check(isinstance(body, dict), "must be a JSON object", "body")
@@ -236,8 +236,8 @@ class OpenAIRoutes:
         return outcome
 
     def _sse(self, response: web.StreamResponse, payload) -> Any:
-        data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-        return response.write(f"data: {data}\n\n".encode())
+        data = payload.encode() if isinstance(payload, str) else dumps(payload)
+        return response.write(b"data: " + data + b"\n\n")
 
     async def _stream_response(self, request: web.Request) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
@@ -251,7 +251,7 @@ class OpenAIRoutes:
     # -- routes -------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
         s = self.server
-        return web.json_response({"object": "list", "data": [{
+        return json_response({"object": "list", "data": [{
             "id": s.served_model_name, "object": "model", "created": int(s.started), "owned_by": "sglang",
             "root": s.served_model_name, "parent": None, "max_model_len": self.engine.max_length}]})
 
@@ -292,7 +292,7 @@ class OpenAIRoutes:
                                          for i, plan in enumerate(plans)))
         usage = self._usage(sum(len(plan[0]) for plan in plans), sum(c.pop("_completion_tokens") for c in choices),
                             sum(c.pop("_cached") for c in choices))
-        return web.json_response({"id": rid, "object": "text_completion", "created": created, "model": model,
+        return json_response({"id": rid, "object": "text_completion", "created": created, "model": model,
                                   "choices": list(choices), "usage": usage})
 
     async def _completion_choice(self, index: int, plan, echo: bool, max_tokens: int, n_logprobs: int | None) -> dict:
@@ -466,7 +466,7 @@ class OpenAIRoutes:
                                           "tool_calls": None},
                   "logprobs": lp, "finish_reason": finish_reason(result.finish_reason),
                   "matched_stop": self._matched(outcome)}
-        return web.json_response({"id": rid, "object": "chat.completion", "created": created, "model": model,
+        return json_response({"id": rid, "object": "chat.completion", "created": created, "model": model,
                                   "choices": [choice],
                                   "usage": self._usage(len(ids), len(result.token_ids), result.cached_tokens)})
 

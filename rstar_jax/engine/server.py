@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import pathlib
 import time
@@ -35,7 +34,8 @@ from collections.abc import Callable
 import numpy as np
 from aiohttp import web
 
-from rstar_jax.engine.http_common import BadRequest, error_response, json_or_empty
+from rstar_jax.engine.http_common import (BadRequest, dumps, error_response, json_floats, json_or_empty,
+                                          json_response, request_json)
 from rstar_jax.engine.jax_engine import MAX_STOP_IDS, JaxEngine
 from rstar_jax.engine.openai_routes import OpenAIRoutes
 from rstar_jax.engine.status_routes import StatusRoutes
@@ -201,7 +201,7 @@ class EngineServer:
     # -- data plane ---------------------------------------------------------------------------
     async def generate(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await request.json()
+            body = await request_json(request)
         except ValueError:
             return error_response("request body must be JSON")
         try:
@@ -213,7 +213,8 @@ class EngineServer:
         if options.stream:
             return await self._stream_generate(request, *requests[0], options)
         outputs = await asyncio.gather(*(self._one(*r, options) for r in requests))
-        return web.json_response(outputs if batched else outputs[0])
+        # Every float that may be non-finite (the log-probs) went through json_floats (_triples).
+        return json_response(outputs if batched else outputs[0], floats_checked=True)
 
     def _parse_generate(self, body: dict) -> tuple[list[tuple], bool, "_LogprobOptions"]:
         """[(input ids, SamplingParams, TextOptions, rid)], whether it is a batch, and the options."""
@@ -357,9 +358,10 @@ class EngineServer:
         return spans
 
     def _triples(self, logprobs, ids, with_text: bool) -> list[list]:
-        """SGLang's [logprob, token id, text or None] triples."""
+        """SGLang's [logprob, token id, text or None] triples (log-probs through `json_floats`: a
+        non-finite one is written as the standard library wrote it)."""
         texts = token_texts(self.tokenizer, ids) if with_text else [None] * len(ids)
-        return [[lp, int(t), s] for lp, t, s in zip(logprobs, ids, texts)]
+        return [[lp, int(t), s] for lp, t, s in zip(json_floats(logprobs), ids, texts)]
 
     async def score_positions(self, prompt: list[int], output: list[int], sampling: SamplingParams, *,
                               start_len: int, top_n: int) -> dict:
@@ -477,8 +479,9 @@ def _shielded(handler):
 
 
 def _sse(payload) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
-    return f"data: {data}\n\n".encode()
+    """One server-sent event of /generate's stream (its log-probs came through `_triples`)."""
+    data = payload.encode() if isinstance(payload, str) else dumps(payload, floats_checked=True)
+    return b"data: " + data + b"\n\n"
 
 
 @dataclasses.dataclass(frozen=True)

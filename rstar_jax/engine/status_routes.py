@@ -12,6 +12,7 @@ from typing import Any
 from aiohttp import web
 
 from rstar_jax import __version__ as package_version
+from rstar_jax.engine.http_common import json_response
 from rstar_jax.engine.prometheus import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from rstar_jax.engine.prometheus import Exposition, Histogram
 
@@ -113,18 +114,18 @@ class StatusRoutes:
         include = set(request.query.get("include", "core").split(","))
         if not include & {"queues", "all"}:
             row.pop("queues")
-        return web.json_response({"loads": [row]})
+        return json_response({"loads": [row]})
 
     async def get_load(self, request: web.Request) -> web.Response:
         row = await self._load_row()
-        return web.json_response([{"dp_rank": 0, "num_reqs": row["num_running_reqs"],
+        return json_response([{"dp_rank": 0, "num_reqs": row["num_running_reqs"],
                                    "num_waiting_reqs": row["num_waiting_reqs"], "num_tokens": row["num_used_tokens"]}])
 
     async def server_info(self, request: web.Request) -> web.Response:
         s = self.server
         total = self.engine.max_total_tokens
         row = await self._load_row()
-        return web.json_response({
+        return json_response({
             **s.server_args,
             "model_path": s.model_path,
             "tokenizer_path": s.tokenizer_path,
@@ -153,6 +154,6 @@ class StatusRoutes:
 
     async def model_info(self, request: web.Request) -> web.Response:
         s = self.server
-        return web.json_response({"model_path": s.model_path, "tokenizer_path": s.tokenizer_path,
+        return json_response({"model_path": s.model_path, "tokenizer_path": s.tokenizer_path,
                                   "is_generation": True, "preferred_sampling_params": None,
                                   "weight_version": s.weight_version})

@@ -29,7 +29,7 @@ import numpy as np
 from aiohttp import web
 
 from rstar_jax.engine import weight_transfer
-from rstar_jax.engine.http_common import BadRequest, error_response, json_or_empty
+from rstar_jax.engine.http_common import BadRequest, error_response, json_or_empty, json_response
 from rstar_jax.engine.jax_engine import PAUSE_MODES, JaxEngine
 
 log = logging.getLogger("rstar_jax.serve")
@@ -84,7 +84,7 @@ class WeightRoutes:
         path = body.get("model_path")
         if not path or self.load_weights is None:
             message = "model_path is required" if self.load_weights else "this server cannot load weights from disk"
-            return web.json_response({"success": False, "message": message, "num_paused_requests": 0}, status=400)
+            return json_response({"success": False, "message": message, "num_paused_requests": 0}, status=400)
         async with self._update_lock:
             try:
                 model = await asyncio.to_thread(self.load_weights, path)
@@ -92,10 +92,10 @@ class WeightRoutes:
                     self.engine.update_weights, model,
                     abort_in_flight=bool(body.get("abort_all_requests", False)))
             except (OSError, ValueError) as e:
-                return web.json_response({"success": False, "message": f"Failed to update weights: {e}",
+                return json_response({"success": False, "message": f"Failed to update weights: {e}",
                                           "num_paused_requests": 0}, status=400)
             self._swapped(version, body.get("weight_version"))
-        return web.json_response({"success": True, "message": f"Succeeded to update model weights from {path}.",
+        return json_response({"success": True, "message": f"Succeeded to update model weights from {path}.",
                                   "num_paused_requests": 0})
 
     # -- distributed (SGLang's /init_weights_update_group family) -------------------------------
@@ -122,7 +122,7 @@ class WeightRoutes:
         self._groups[group_name] = group
         log.info("joined weight-update group %r as rank %d of %d (%s, %s:%d)", group_name, rank, world_size, backend,
                  address, port)
-        return web.json_response({"success": True, "message": "Succeeded to initialize custom process group."})
+        return json_response({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         """Receives the listed tensors (HF names) from rank 0's broadcasts, in order, then applies
@@ -161,7 +161,7 @@ class WeightRoutes:
                 return _weights_error(f"Failed to update parameter online: {e}.")
             # A call without a version keeps the string (SGLang's behaviour); its tokens map to it.
             self._swapped(version, body.get("weight_version", self.weight_version))
-        return web.json_response({"success": True, "message": "Succeeded to update parameter online."})
+        return json_response({"success": True, "message": "Succeeded to update parameter online."})
 
     async def begin_weight_update(self, request: web.Request) -> web.Response:
         """SGLang 0.5.23's session around distributed updates, for clients that open one: this server
@@ -169,13 +169,13 @@ class WeightRoutes:
         if self._weight_session:
             return _weights_error("a weight-update session is already open; call end_weight_update() first")
         self._weight_session = True
-        return web.json_response({"success": True, "message": "Success"})
+        return json_response({"success": True, "message": "Success"})
 
     async def end_weight_update(self, request: web.Request) -> web.Response:
         if not self._weight_session:
             return _weights_error("no weight-update session is open; call begin_weight_update() first")
         self._weight_session = False
-        return web.json_response({"success": True, "message": "Success"})
+        return json_response({"success": True, "message": "Success"})
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = await json_or_empty(request)
@@ -183,7 +183,7 @@ class WeightRoutes:
         if group is None:
             return _weights_error("The group to be destroyed does not exist.")
         group.close()
-        return web.json_response({"success": True, "message": "Succeeded to destroy custom process group."})
+        return json_response({"success": True, "message": "Succeeded to destroy custom process group."})
 
     # -- reading back, pause, version -----------------------------------------------------------
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
@@ -200,7 +200,7 @@ class WeightRoutes:
             value = await asyncio.to_thread(self.read_tensor, self.engine.model, name)
         except ValueError as e:
             return error_response(f"Get parameter by name failed: {e}")
-        return web.json_response(np.asarray(value[:truncate], np.float32).tolist())
+        return json_response(np.asarray(value[:truncate], np.float32).tolist())
 
     async def pause(self, request: web.Request) -> web.Response:
         body = await json_or_empty(request)
@@ -208,21 +208,21 @@ class WeightRoutes:
         if mode not in PAUSE_MODES:
             return error_response(f"pause_generation: mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
         self.engine.pause(mode)
-        return web.json_response({"message": "Generation paused.", "status": "ok"})
+        return json_response({"message": "Generation paused.", "status": "ok"})
 
     async def resume(self, request: web.Request) -> web.Response:
         self.engine.resume()
-        return web.json_response({"message": "Generation continued.", "status": "ok"})
+        return json_response({"message": "Generation continued.", "status": "ok"})
 
     async def get_weight_version(self, request: web.Request) -> web.Response:
-        return web.json_response({"weight_version": self.weight_version})
+        return json_response({"weight_version": self.weight_version})
 
     async def memory_noop(self, request: web.Request) -> web.Response:
-        return web.json_response(None)
+        return json_response(None)
 
 
 def _weights_error(message: str) -> web.Response:
-    return web.json_response({"success": False, "message": message}, status=400)
+    return json_response({"success": False, "message": message}, status=400)
 
 
 def _int(body: dict, field: str) -> int:
