@@ -31,7 +31,9 @@ from learning import launch  # the launcher on one device, as users run it (benc
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TASK = ["--config.data.synthetic.kinds=('last_digit_power',)", "--config.train.eval_every=0",
         "--config.metrics.progress_bar=false"]
-WARM_UP = ["--config.data.synthetic.sft_stages=((480,(0.0,1.0,0.0)),(160,(0.25,0.5,0.25)))"]
+# The tests' short warm-up (tests/conftest.py, TINY_RUN_OVERRIDES): well-formed calls, no copy needed.
+WARM_UP = ["--config.data.synthetic.sft_stages=((480,(0.0,1.0,0.0)),(160,(0.25,0.5,0.25)))", "--config.sft.batch_size=4",
+           "--config.sft.micro_batch_tokens=1024", "--config.sft.advance_exact=0"]
 
 
 def summary(run_dir: pathlib.Path) -> dict:

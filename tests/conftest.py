@@ -174,6 +174,11 @@ def qwen3_tokenizer_dir() -> pathlib.Path:
 # tiny run's warm-up export take these too, so the policy meets the problems it was warmed up on.
 TINY_TEST_TASK = ("--config.data.synthetic.kinds=('last_digit_power',)", "--config.data.synthetic.num_eval=16",
                   "--config.train.eval_every=0")
+# Short warm-ups for tests: four conversations per step and no held-out measurement. Their stages (a
+# few hundred conversations at most) end long before the copy of configs/tiny.py's first stage
+# forms, so sft.advance_exact would only take 64 conversations from them, and four per step gives
+# them twice the steps of the default's eight.
+TINY_TEST_SFT = ("--config.sft.batch_size=4", "--config.sft.micro_batch_tokens=1024", "--config.sft.advance_exact=0")
 # The embedded default run (configs/tiny.py: SFT warm-up, then GRPO-RoC against a local sandbox
 # and the JaxEngine), shortened to keep CI fast: 160 SFT steps in the default's two stages (enough
 # for well-formed tool calls and answers) and three RL steps, evaluated at steps 0 and 3. Run once per
@@ -183,7 +188,7 @@ TINY_SFT_STAGES = ((480, (0.0, 1.0, 0.0)), (160, (0.25, 0.5, 0.25)))
 # Its rate decays over the last 32 steps (0.2 of 160), most of the second stage: the default's ratio,
 # fitted to its 2150 planned steps, would decay over 11, and a decay of 21 already left fewer
 # well-formed turns.
-TINY_RUN_OVERRIDES = (*TINY_TEST_TASK, f"--config.data.synthetic.sft_stages={TINY_SFT_STAGES}",
+TINY_RUN_OVERRIDES = (*TINY_TEST_TASK, *TINY_TEST_SFT, f"--config.data.synthetic.sft_stages={TINY_SFT_STAGES}",
                       "--config.sft.decay_ratio=0.2",
                       "--config.train.steps=3", "--config.train.eval_every=3", "--config.checkpoint.every_steps=1",
                       "--config.checkpoint.export_hf_every=3")

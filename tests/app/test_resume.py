@@ -22,7 +22,7 @@ from rstar_jax.config import REPO_CONFIGS, load_config_file
 from rstar_jax.rollout.records import iter_rollouts
 from rstar_jax.app import builders
 from rstar_jax.train.metrics import read_metrics
-from tests.conftest import TINY_TEST_TASK, xla_flags
+from tests.conftest import TINY_TEST_SFT, TINY_TEST_TASK, xla_flags
 
 pytestmark = pytest.mark.slow  # killed and resumed launcher subprocesses
 
@@ -115,7 +115,7 @@ def test_rl_run_killed_and_resumed_matches_the_uninterrupted_run_bitwise(tmp_pat
         assert x.get("update/loss") == y.get("update/loss")
 
 
-SFT = ("--config.mode=sft", "--config.sft.epochs=1", "--config.data.synthetic.sft_stages=((32,(0,1,0)),(16,(0.4,0.3,0.3)))",
+SFT = ("--config.mode=sft", *TINY_TEST_SFT, "--config.sft.epochs=1", "--config.data.synthetic.sft_stages=((32,(0,1,0)),(16,(0.4,0.3,0.3)))",
        "--config.checkpoint.every_steps=4", "--config.checkpoint.export_hf_every=0")
 
 
@@ -155,7 +155,7 @@ def test_sft_stage_ended_early_resumes_to_the_same_end(tmp_path):
     assert [m["sft/loss"] for m in read_metrics(straight)] == [m["sft/loss"] for m in read_metrics(resumed)]
 
 
-WARM_UP = (*TINY_TEST_TASK, "--config.sft.epochs=1", "--config.data.synthetic.sft_stages=((32,(0,1,0)),(16,(0.4,0.3,0.3)))",
+WARM_UP = (*TINY_TEST_TASK, *TINY_TEST_SFT, "--config.sft.epochs=1", "--config.data.synthetic.sft_stages=((32,(0,1,0)),(16,(0.4,0.3,0.3)))",
            "--config.checkpoint.every_steps=4", "--config.checkpoint.export_hf_every=0", "--config.train.steps=1",
            "--config.train.eval_every=0")
 

@@ -87,6 +87,7 @@ def test_a_refused_value_names_the_config_field(path, value, resolver, named):
         resolver(config)
 
 
+@pytest.mark.parametrize("field", ["advance_exact", "advance_loss"])
 @pytest.mark.parametrize("overrides, stages, message", [
     ({}, [100], r"there is one stage"),
     ({"sft.schedule": "cosine"}, [100, 20], r"sft.schedule='cosine' decays over every step: use 'wsd' with a "
@@ -94,21 +95,26 @@ def test_a_refused_value_names_the_config_field(path, value, resolver, named):
     ({"sft.decay_ratio": 0.25}, [100, 20], r"until the last stage starts \(step 100\), but sft.schedule='wsd' "
                                            r"decays from step 90"),
 ])
-def test_a_stage_that_may_end_early_needs_a_constant_rate_until_the_last_stage(overrides, stages, message):
+def test_a_stage_that_may_end_early_needs_a_constant_rate_until_the_last_stage(overrides, stages, message, field):
     from rstar_jax.app.stage import _stage_advance
 
     config = _tiny()
-    config.update_from_flattened_dict(overrides)
-    with pytest.raises(ConfigError, match=r"config\.sft\.advance_loss: .*" + message):
+    config.update_from_flattened_dict({"sft.advance_exact": 0.0, "sft.advance_loss": 0.0, f"sft.{field}": 0.5,
+                                       **overrides})
+    with pytest.raises(ConfigError, match=rf"config\.sft\.{field}: .*" + message):
         _stage_advance(config, stages, resolve.sft_optimizer_config(config, sum(stages)))
-    config.sft.advance_loss = 0.0
+    config.sft[field] = 0.0
     assert _stage_advance(config, stages, resolve.sft_optimizer_config(config, sum(stages))) is None
 
 
-def test_the_default_runs_warm_up_may_end_its_first_stage_early():
+def test_the_default_runs_warm_up_ends_its_first_stage_on_held_out_reproduction():
     from rstar_jax.app.stage import _stage_advance
 
     config = _tiny()
-    stages = [n // config.sft.batch_size for n, _ in config.data.synthetic.sft_stages]
-    advance = _stage_advance(config, stages, resolve.sft_optimizer_config(config, sum(stages)))
-    assert (advance.loss, advance.window) == (config.sft.advance_loss, config.sft.advance_window) == (0.002, 50)
+    probe = config.sft.advance_probe
+    stages = [(n - probe) // config.sft.batch_size for n, _ in config.data.synthetic.sft_stages[:1]]
+    stages += [n // config.sft.batch_size for n, _ in config.data.synthetic.sft_stages[1:]]
+    optimizer = resolve.sft_optimizer_config(config, sum(stages))
+    advance = _stage_advance(config, stages, optimizer, probe=lambda stage: (0, 1))
+    assert (advance.exact, advance.every, advance.loss) == (0.95, 25, 0.0)
+    assert advance.after_step == optimizer.warmup_steps
