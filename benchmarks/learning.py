@@ -78,10 +78,13 @@ ROLLOUT_CURVES = ("rollout/reward_mean", "rollout/tool_error_rate_positive", "mi
                   "drift/logprob_abs_mean", "async/staleness_mean")
 
 
-def launch(args: list[str], log: pathlib.Path, cpus: frozenset[int] | None = None) -> float:
+def launch(args: list[str], log: pathlib.Path, cpus: frozenset[int] | None = None, xla_flags: str = "") -> float:
     """Runs the launcher; returns its wall time. One CPU device, as users run it; `cpus`: the cores
-    it (and the sandbox it starts) may run on."""
+    it (and the sandbox it starts) may run on; `xla_flags`: its only XLA_FLAGS (e.g.
+    `--xla_cpu_max_isa=AVX2`: the arithmetic of another CPU, benchmarks/default_run_spread.py)."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if xla_flags:
+        env["XLA_FLAGS"] = xla_flags
     t0 = time.perf_counter()
     with open(log, "w") as f:
         process = subprocess.Popen([sys.executable, "-m", "rstar_jax.launch", *args], cwd=REPO, env=env, stdout=f,
@@ -107,12 +110,12 @@ def curves(run_dir: pathlib.Path) -> dict[str, list[float]]:
 
 
 def run(config_path: str, *, seeds: Sequence[int], variants: Sequence[str], out: pathlib.Path, steps: int = 0,
-        eval_every: int = 0, common: Sequence[str] = (), jobs: int = 1) -> dict:
+        eval_every: int = 0, common: Sequence[str] = (), jobs: int = 1, xla_flags: str = "") -> dict:
     """Every seed's SFT warm-up, then every variant from it; returns every run's curves and, per
     variant, their mean and standard deviation over seeds (`summary`). `common`: overrides every
     launch (SFT and RL) takes. `jobs`: launches at once, each on its own share of this process's
     cores where there are enough to share; a free one takes the earliest seed's next variant whose
-    warm-up is done, else the next warm-up."""
+    warm-up is done, else the next warm-up. `xla_flags`: every launch's XLA_FLAGS (`launch`)."""
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO))
     from rstar_jax.config import load_config_file
@@ -123,7 +126,7 @@ def run(config_path: str, *, seeds: Sequence[int], variants: Sequence[str], out:
     common = [f"--config={config_path}", "--config.metrics.progress_bar=false", *common]
     shown = os.path.relpath(config_path, REPO) if pathlib.Path(config_path).resolve().is_relative_to(REPO) else config_path
     results: dict = {"config": shown, "overrides": common[2:], "steps": steps, "eval_every": eval_every, "jobs": jobs,
-                     "runs": {}}
+                     "xla_flags": xla_flags, "runs": {}}
 
     def warm_dir(seed: int) -> pathlib.Path:
         return out / f"sft_seed{seed}"
@@ -131,7 +134,7 @@ def run(config_path: str, *, seeds: Sequence[int], variants: Sequence[str], out:
     def warm_up(seed: int, cpus) -> None:
         seconds = launch([*common, "--config.mode=sft", f"--config.seed={seed}", f"--config.run_dir={warm_dir(seed)}",
                           "--config.checkpoint.export_hf_every=0", f"--config.checkpoint.every_steps={10 ** 6}"],
-                         out / f"sft_seed{seed}.log", cpus)
+                         out / f"sft_seed{seed}.log", cpus, xla_flags=xla_flags)
         results.setdefault("sft_seconds", {})[str(seed)] = seconds
         print(f"seed {seed}: SFT warm-up {seconds:.0f}s", flush=True)
 
@@ -144,7 +147,7 @@ def run(config_path: str, *, seeds: Sequence[int], variants: Sequence[str], out:
             seconds = launch([*common, *extra, f"--config.seed={seed}", f"--config.run_dir={run_dir}",
                               f"--config.model.hf_path={warm_dir(seed) / 'hf' / 'final'}", "--config.sft.before_rl=False",
                               f"--config.train.steps={steps}", f"--config.train.eval_every={eval_every}"],
-                             out / f"{variant}_seed{seed}.log", cpus)
+                             out / f"{variant}_seed{seed}.log", cpus, xla_flags=xla_flags)
         run = {"seed": seed, "seconds": seconds, **curves(run_dir)}
         print(f"seed {seed} {variant:8s} pass@1 {run['eval/pass@1'][0]:.3f} -> {run['eval/pass@1'][-1]:.3f}"
               f"  positive tool-error rate {run['eval/tool_error_rate_positive'][0]:.3f} -> "
@@ -228,10 +231,11 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(DEFAULT_VARIANTS), help=f"of {', '.join(VARIANTS)}")
     parser.add_argument("--out", default=str(REPO / "runs" / "learning"))
     parser.add_argument("--jobs", type=int, default=1, help="launches at once, each pinned to its share of the cores")
+    parser.add_argument("--xla-flags", default="", help="every launch's XLA_FLAGS, e.g. --xla_cpu_max_isa=AVX2")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     results = run(args.config, seeds=range(args.seeds), variants=args.variants.split(","), out=out, steps=args.steps,
-                  eval_every=args.eval_every, jobs=args.jobs)
+                  eval_every=args.eval_every, jobs=args.jobs, xla_flags=args.xla_flags)
     summary = results["summary"]
     (out / "learning.json").write_text(json.dumps(_nan_to_none(results), indent=1))
     print(f"\n{'variant':8s} {'seeds':>5s} {'pass@1 step 0':>14s} {'pass@1 final':>16s} {'pos. tool err final':>20s}"

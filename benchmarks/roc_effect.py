@@ -99,11 +99,14 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="roc and grpo are needed for the last line")
     parser.add_argument("--out", default=str(REPO / "runs" / "roc_effect"))
     parser.add_argument("--jobs", type=int, default=2, help="launches at once, each pinned to its share of the cores")
+    parser.add_argument("--xla-flags", default="", help="every launch's XLA_FLAGS, e.g. --xla_cpu_max_isa=AVX2 (another "
+                                                        "CPU's arithmetic)")
     args = parser.parse_args()
     out = pathlib.Path(args.out)
     t0 = time.perf_counter()
     results = learning.run(args.config, seeds=range(args.seeds), variants=args.variants.split(","), out=out,
-                           steps=args.steps, eval_every=args.eval_every, common=TASK, jobs=args.jobs)
+                           steps=args.steps, eval_every=args.eval_every, common=TASK, jobs=args.jobs,
+                           xla_flags=args.xla_flags)
     results["wall_s"] = time.perf_counter() - t0
     sys.path.insert(0, str(REPO))
     from rstar_jax.analysis.runs import load_comparison

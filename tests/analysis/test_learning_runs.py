@@ -22,7 +22,8 @@ def learning():
 
 def fake_launcher(events: list, lock: threading.Lock):
     """Stands in for `python -m rstar_jax.launch`: writes what a finished run leaves behind."""
-    def launch(args, log, cpus=None):
+    def launch(args, log, cpus=None, xla_flags=""):
+        assert xla_flags == "", "benchmarks/learning.py passes no XLA_FLAGS unless asked"
         flags = dict(a.removeprefix("--config.").split("=", 1) for a in args if a.startswith("--config.") and "=" in a)
         run_dir = pathlib.Path(flags["run_dir"])
         with lock:
@@ -71,7 +72,7 @@ def test_every_variant_runs_once_after_its_warm_up(learning, tmp_path, monkeypat
 
 
 def test_a_failed_launch_stops_the_rest_and_is_raised(learning, tmp_path, monkeypatch):
-    def launch(args, log, cpus=None):
+    def launch(args, log, cpus=None, xla_flags=""):
         raise SystemExit(f"launcher failed (1), see {log}")
     monkeypatch.setattr(learning, "launch", launch)
     with pytest.raises(SystemExit, match="launcher failed"):
