@@ -9,6 +9,7 @@ built by appending encoded pieces, never by re-tokenizing it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from typing import Sequence
 
@@ -87,6 +88,15 @@ COMPACT_NO_TOOL_PROMPT = "Think in <reason> </reason>, then give <answer> \\boxe
 TEMPLATE_STYLES = ("rstar2", "compact", "bare")
 
 
+def _prompt_ids(template: "ChatTemplate", tokenizer: Tokenizer, question: str) -> tuple[int, ...]:
+    return tuple(tokenizer.encode(template.system_text()) + tokenizer.encode(template.user_text(question))
+                 + tokenizer.encode(GENERATION_PROMPT))
+
+
+# A trainer process has a few hundred prompts in flight at most (a step's groups, 2G rollouts each).
+_cached_prompt_ids = functools.lru_cache(maxsize=256)(_prompt_ids)
+
+
 @dataclasses.dataclass(frozen=True)
 class ChatTemplate:
     """The chat protocol. Default: the release's strings exactly; `ChatTemplate.compact()` for tiny runs."""
@@ -138,9 +148,14 @@ class ChatTemplate:
 
     def prompt_ids(self, tokenizer: Tokenizer, question: str) -> list[int]:
         """`tokenizer.encode(render_prompt(question))`: the pieces meet only at `<|im_start|>`, a
-        special token that BPE never merges across; the user turn alone is what varies per question."""
-        return (tokenizer.encode(self.system_text()) + tokenizer.encode(self.user_text(question))
-                + tokenizer.encode(GENERATION_PROMPT))
+        special token that BPE never merges across; the user turn alone is what varies per question.
+
+        The last few prompts' ids are remembered per (template, tokenizer): a group's 2G rollouts
+        share their prompt, and its system turn is the same for all (a few ms of encoding each)."""
+        try:
+            return list(_cached_prompt_ids(self, tokenizer, question))
+        except TypeError:  # a tokenizer that cannot be a cache key (unhashable)
+            return list(_prompt_ids(self, tokenizer, question))
 
     @staticmethod
     def tool_response_text(observation: str | Sequence[str]) -> str:

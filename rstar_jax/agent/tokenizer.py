@@ -169,7 +169,10 @@ class HFTokenizer:
         return encoding.ids, [tuple(span) for span in encoding.offsets]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+        # An integer array (numpy, rstar_jax.rollout.tokens.TokenArray) converts in one call.
+        as_list = ids.tolist() if getattr(getattr(ids, "dtype", None), "kind", "") in ("i", "u") else None
+        return self._tok.decode(as_list if as_list is not None else [int(i) for i in ids],
+                                skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int:
         tid = self._tok.token_to_id(token)

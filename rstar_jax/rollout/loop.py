@@ -48,6 +48,7 @@ from rstar_jax.rollout.protocol import (
     Scheduler,
 )
 from rstar_jax.rollout.scheduler import DirectSession
+from rstar_jax.rollout.tokens import TokenArray
 from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.rollout.trajectory import (
     STOP_ABORTED,
@@ -123,6 +124,10 @@ def trajectory_seed(seed: int, group_id: int, sample_index: int) -> int:
     return int(np.random.SeedSequence([seed, group_id, sample_index]).generate_state(1)[0]) % (2**31 - 1)
 
 
+def _new_turn(config: LoopConfig):
+    return TokenArray() if config.token_buffers == "array" else []
+
+
 def _new_rid() -> str:
     # Fixed width: SGLang aborts by rid prefix, so no rid may be a prefix of another.
     return f"{next(_rid_counter):016x}"
@@ -181,7 +186,8 @@ async def run_trajectory(
     if scheduler is None and generator is None:
         raise ValueError("run_trajectory needs a generator or a scheduler")
     model_text: list[str] = []
-    turn_ids: list[int] = []  # the current turn's sampled ids (it may span aborted requests)
+    # The current turn's sampled ids (it may span aborted requests), held as the trajectory's are.
+    turn_ids = _new_turn(config)
     min_observation = len(template.tool_response_ids(tokenizer, ""))
     session_context = (scheduler.trajectory(trajectory_rid, group=group_id) if scheduler is not None
                        else contextlib.nullcontext(DirectSession(generator)))
@@ -215,13 +221,13 @@ async def run_trajectory(
             if result is None:
                 traj.n_failovers += 1
                 traj.truncate_response(len(traj.response_ids) - len(turn_ids))  # the turn restarts whole
-                turn_ids = []
+                turn_ids = _new_turn(config)
                 continue
             traj.extend_sampled(result.token_ids, result.logprobs,
                                 result.token_versions if result.token_versions is not None
                                 else int(result.weight_version))
             traj.n_retractions += result.num_retractions
-            turn_ids += list(result.token_ids)
+            turn_ids += result.token_ids
             if result.finish_reason == FINISH_ABORT:
                 if traj.n_abort_resumes < config.max_abort_resumes and len(traj.response_ids) < config.response_budget:
                     traj.n_abort_resumes += 1  # partial rollout: the turn goes on from its partial output
@@ -233,7 +239,7 @@ async def run_trajectory(
             traj.n_turns += 1
             turn_text = tokenizer.decode(turn_ids)
             model_text.append(turn_text)
-            turn_ids = []
+            turn_ids = _new_turn(config)
             if result.finish_reason == FINISH_LENGTH:
                 # Short of the budget, the request was capped at the generator's context length.
                 at_budget = len(traj.response_ids) >= config.response_budget

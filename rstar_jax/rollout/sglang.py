@@ -60,6 +60,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import operator
 import pathlib
 from typing import Any, Sequence
 
@@ -102,6 +103,7 @@ _warned_nondeterministic: set[str] = set()  # servers already warned about (once
 # numpy input ids serialised natively, TokenArrays out) or "json" (the standard library through
 # aiohttp, Python lists out: the path before orjson, kept as a baseline).
 CODECS = ("orjson", "json")
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
@@ -166,12 +168,12 @@ def _token_arrays(output_ids: np.ndarray, triples: list, url: str) -> tuple[Toke
     ids = output_ids
     if not triples:
         return TokenArray(ids), TokenArray((), np.float32)
-    columns = list(zip(*triples))
-    if len(columns) < 2 or len(columns[0]) != len(triples):
-        raise SGLangError(f"{url}: output_token_logprobs are not [logprob, token_id, text] triples: "
-                          f"{str(triples)[:300]}")
-    logprobs = np.array(columns[0], dtype=np.float64)
-    triple_ids = np.array(columns[1], dtype=np.int64)
+    try:
+        logprobs = np.fromiter(map(_FIRST, triples), np.float64, count=len(triples))
+        triple_ids = np.fromiter(map(_SECOND, triples), np.int64, count=len(triples))
+    except (IndexError, KeyError, TypeError) as e:
+        raise SGLangError(f"{url}: output_token_logprobs are not [logprob, token_id, text] triples ({e}): "
+                          f"{str(triples)[:300]}") from e
     wrong = np.flatnonzero(triple_ids != ids)
     if wrong.size:
         i = int(wrong[0])

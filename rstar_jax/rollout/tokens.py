@@ -50,17 +50,48 @@ def _as_array(values: Any) -> np.ndarray:
     return array
 
 
+_BOUNDS: dict[np.dtype, tuple[int, int]] = {}
+
+
+def _bounds(dtype: np.dtype) -> tuple[int, int]:
+    bounds = _BOUNDS.get(dtype)
+    if bounds is None:
+        info = np.iinfo(dtype)
+        bounds = _BOUNDS[dtype] = (int(info.min), int(info.max))
+    return bounds
+
+
 def _holds(dtype: np.dtype, values: np.ndarray) -> bool:
     """Whether `dtype` holds every one of `values` exactly."""
-    if values.size == 0 or values.dtype == dtype or np.can_cast(values.dtype, dtype, "safe"):
+    if values.size == 0 or values.dtype == dtype:
         return True
     if dtype.kind in "iu":
         if values.dtype.kind not in "biu":
             return False
-        info = np.iinfo(dtype)
-        return info.min <= int(values.min()) and int(values.max()) <= info.max
+        if values.dtype.kind == "b" or (values.dtype.itemsize < dtype.itemsize and
+                                        (values.dtype.kind == dtype.kind or values.dtype.kind == "u")):
+            return True
+        lo, hi = _bounds(dtype)
+        return lo <= int(values.min()) and int(values.max()) <= hi
+    if values.dtype.kind == "b" or (values.dtype.kind in "iu" and values.dtype.itemsize <= 2) or (
+            values.dtype.kind == "f" and values.dtype.itemsize <= dtype.itemsize):
+        return True
     # a float buffer narrower than the values: exact when the round trip gives the same numbers
     return bool(np.array_equal(values.astype(dtype).astype(values.dtype), values, equal_nan=True))
+
+
+def _holds_scalar(dtype: np.dtype, value) -> bool:
+    """`_holds` for one Python number (no array made)."""
+    if type(value) is int or type(value) is bool:
+        if dtype.kind in "iu":
+            lo, hi = _bounds(dtype)
+            return lo <= value <= hi
+        return abs(value) <= (1 << 53 if dtype.itemsize >= 8 else 1 << 24)
+    if type(value) is float:
+        if dtype.kind != "f":
+            return False
+        return dtype.itemsize >= 8 or value != value or float(dtype.type(value)) == value
+    return _holds(dtype, _as_array((value,)))
 
 
 def _wider(dtype: np.dtype, values: np.ndarray) -> np.dtype:
@@ -249,7 +280,8 @@ class TokenArray(collections.abc.MutableSequence):
         """Appends `count` copies of `value`."""
         if count <= 0:
             return
-        self._fitted((value,))
+        if not _holds_scalar(self._data.dtype, value):
+            self._fitted((value,))
         end = self._n + count
         self._reserve(end)
         self._data[self._n:end] = value
