@@ -198,6 +198,34 @@ def test_orchestrator_64_concurrent_trajectories_and_cancellation():
     assert (n, leftover, peak, in_flight) == (4, [], 4, 0)
 
 
+def test_trajectories_run_with_the_objects_before_them_frozen_out_of_the_collector():
+    """While an orchestrator's trajectories run, the cyclic collector leaves the objects that existed
+    before them alone (gc.freeze); afterwards (or with freeze_gc=False) nothing is frozen."""
+    import gc
+
+    frozen = []
+
+    async def one(question, gold, group_id, sample_index):
+        frozen.append(gc.get_freeze_count())
+        await asyncio.sleep(0)
+        return await trajectory_runner(ScriptedGenerator({"Q": [f"\\boxed{{42}}{IM_END}"]}), TOK, FakeExecutor(),
+                                       config=LoopConfig(), scorer=exact_scorer)(question, gold, group_id, sample_index)
+
+    assert gc.get_freeze_count() == 0
+    asyncio.run(Orchestrator(one).collect([("Q", "42")], 3))
+    assert len(frozen) == 3 and min(frozen) > 0 and gc.get_freeze_count() == 0
+
+    async def both():  # concurrent orchestrators share one freeze, lifted when the last one ends
+        return await asyncio.gather(Orchestrator(one).collect([("Q", "42")], 2), Orchestrator(one).collect([("Q", "42")], 2))
+
+    frozen.clear()
+    asyncio.run(both())
+    assert len(frozen) == 4 and min(frozen) > 0 and gc.get_freeze_count() == 0
+    frozen.clear()
+    asyncio.run(Orchestrator(one, freeze_gc=False).collect([("Q", "42")], 2))
+    assert frozen == [0, 0]
+
+
 def test_paper_counting_beside_release_counting():
     # A runtime error whose stderr says "Error" and a success that prints the word "error": the paper's
     # counting goes by status (1 error), the release's by substring (2 "errors").
