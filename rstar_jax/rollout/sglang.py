@@ -67,6 +67,7 @@ from typing import Any, Sequence
 import aiohttp
 import numpy as np
 import orjson
+import yarl
 
 from rstar_jax.rollout.protocol import (
     FINISH_REASONS,
@@ -246,6 +247,7 @@ class SGLangGenerator(SGLangWeightsMixin):
                                   aiohttp.ClientTimeout(total=generate_timeout_s, connect=connect_timeout_s))
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[str, yarl.URL] = {}
         self._version = 0
         self._info: dict | None = None  # /get_server_info, cached: server arguments do not change
         self._no_info = False  # the server has no /get_server_info (a minimal stand-in)
@@ -274,8 +276,10 @@ class SGLangGenerator(SGLangWeightsMixin):
 
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
+            # No cookies: SGLang sets none, and filtering a jar costs every request.
             self._session = aiohttp.ClientSession(
-                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=self._max_connections))
+                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=self._max_connections),
+                cookie_jar=aiohttp.DummyCookieJar())
         return self._session
 
     async def _request(self, method: str, path: str, payload: dict | None = None, *,
@@ -286,6 +290,9 @@ class SGLangGenerator(SGLangWeightsMixin):
         A non-idempotent request is retried only when it cannot have reached the server (connection
         refused / unreachable, or 503 before admission)."""
         url = self.base_url + path
+        target = self._urls.get(path)
+        if target is None:  # parsed once per route (yarl's parse is a visible share of a request)
+            target = self._urls[path] = yarl.URL(url)
         attempts = 1 + (self.retries if retry else 0)
         last_error, tried = "", 0
         for attempt in range(attempts):
@@ -295,7 +302,7 @@ class SGLangGenerator(SGLangWeightsMixin):
             else:
                 body_args = {} if payload is None else {"data": _dumps(payload), "headers": _JSON_HEADERS}
             try:
-                async with self._get_session().request(method, url, **body_args,
+                async with self._get_session().request(method, target, **body_args,
                                                        timeout=timeout or self._timeout) as response:
                     if self.codec == "json":
                         text = await response.text()
