@@ -88,7 +88,9 @@ WORKER_HEADROOM = 0.5  # a rollout worker is planned busy at most half the rollo
 BUDGET = 12_288
 MAX_TURNS = 10
 TURN_TOKENS = (500, 2000)
-CALLS = (4, 9)  # tool-calling turns per trajectory (uniform), then an answer, budget permitting
+# Tool-calling turns per trajectory (uniform), then an answer, budget permitting: contexts of about
+# 5.5K tokens per turn on average, up to 13K.
+CALLS = (6, 9)
 TOOL_RESPONSE_ID = 151665  # Qwen3's <tool_response>
 VARIANTS = {"ours": {"codec": "orjson", "token_buffers": "array", "freeze_gc": True},
             "baseline": {"codec": "json", "token_buffers": "list", "freeze_gc": False}}
