@@ -25,11 +25,12 @@ in `TASK`, chosen so that the claim can show:
   follow it: 171 positions; it was not compared.
 - Observations hold the error whole (160 characters): a middle cut would insert "...(truncated)...",
   another "(" at another distance. A fix conversation is then 528 tokens, so the lengths grow to 640.
-- The warm-up has a middle stage of mostly fixes (4000 conversations, 80% fixes, 1000 steps)
-  between the default's two. `sft.advance_loss` may end it early, but the choice between a clean
-  and a broken call keeps its loss near it, so it ran all 1000 steps on every seed. Pilots whose
-  stage allowed 2000 steps ended it at step 773 (seed 0) and ran all 2000 (seed 1), both copying
-  exactly.
+- The warm-up has a middle stage of mostly fixes (4000 conversations, 80% fixes, 492 steps of
+  eight) between the default's two. `sft.advance_exact` could end it early, but greedy decoding
+  writes one of a prompt's two behaviours, so at most about 80% of its held-out conversations are
+  reproduced: it runs all its steps. (With four conversations per step and the loss rule it ran
+  all 1000 on every seed; pilots whose stage allowed 2000 steps ended it at step 773 (seed 0) and
+  ran all 2000 (seed 1), both copying exactly.)
 - Clean correct trajectories are possible too: the warm-up's last stage teaches the clean call, the
   fix and answering without the tool (30%, 30% and 40% of its conversations).
 - Outcome reward cannot tell the two apart: both end in the right `\\boxed{}`. Only RoC's positive
@@ -75,16 +76,16 @@ import learning  # noqa: E402  (the launcher calls, the curves and the plot, sha
 REPO = learning.REPO
 # The default task with a recovery the one-layer policy learns (see the docstring): the fix's failed
 # call doubles its ")", the release's one-line errors end with the failed line, observations hold
-# them whole, lengths fit a fix conversation (528 tokens), and a warm-up stage of mostly fixes sits
-# between the default's two, ending once its loss holds or at its 1000th step; the rate decays over
-# the last stage's 150 steps of the 3150 planned.
+# them whole, lengths fit a fix conversation (528 tokens; eight conversations per step in one
+# micro-batch of four rows), and a warm-up stage of mostly fixes sits between the default's two; the
+# rate decays over the last stage's 75 steps of the 1559 planned.
 TASK: tuple[str, ...] = (
     "--config.data.synthetic.fix_bug=unmatched", "--config.sandbox.error_format=release",
     "--config.rollout.observation_max_chars=160",
     "--config.rollout.response_budget=512", "--config.eval.response_budget=512", "--config.rollout.engine.max_length=640",
-    "--config.sft.max_length=640", "--config.sft.micro_batch_tokens=1280",
+    "--config.sft.max_length=640", "--config.sft.micro_batch_tokens=2560",
     "--config.data.synthetic.sft_stages=((8000, (0.0, 1.0, 0.0)), (4000, (0.0, 0.2, 0.8)), (600, (0.4, 0.3, 0.3)))",
-    "--config.sft.decay_ratio=0.0476")
+    "--config.sft.decay_ratio=0.0481")
 VARIANTS = ("roc", "roc_release", "grpo", "no_tool")
 CURVES = ("eval/pass@1", "eval/tool_error_rate_positive", "eval/positive_with_tool_error", "eval/tool_error_rate_negative",
           "eval/tool_calls_mean", "eval/response_length_mean", "rollout/reward_mean", "rollout/tool_error_rate_positive")

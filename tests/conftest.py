@@ -185,8 +185,8 @@ TINY_TEST_SFT = ("--config.sft.batch_size=4", "--config.sft.micro_batch_tokens=1
 # session as users run it (a subprocess on one CPU device) and shared by the launcher, SFT and
 # notebook tests. The default run itself, with its learning, runs in CI as the README's command.
 TINY_SFT_STAGES = ((480, (0.0, 1.0, 0.0)), (160, (0.25, 0.5, 0.25)))
-# Its rate decays over the last 32 steps (0.2 of 160), most of the second stage: the default's ratio,
-# fitted to its 2150 planned steps, would decay over 11, and a decay of 21 already left fewer
+# Its rate decays over the last 32 steps (0.2 of 160), most of the second stage: a ratio fitted to
+# the default's stages (then 2150 planned steps) would decay over 11, and a decay of 21 already left fewer
 # well-formed turns.
 TINY_RUN_OVERRIDES = (*TINY_TEST_TASK, *TINY_TEST_SFT, f"--config.data.synthetic.sft_stages={TINY_SFT_STAGES}",
                       "--config.sft.decay_ratio=0.2",

@@ -83,9 +83,9 @@ def _run_stage(config, run_dir: pathlib.Path, targets: list[str]) -> dict:
 def run_sft(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTemplate, conversation_files,
             metrics: MetricsWriter, checkpointer: Checkpointer | None = None) -> dict:
     """The SFT stage (or RL's warm-up): assistant-token NLL, packed, on `sft.schedule`, the files one
-    after the other in each epoch, a stage ending early under `sft.advance_loss`. With a
-    checkpointer (the `sft` mode's, or the warm-up's own) it saves every `checkpoint.every_steps`
-    steps and at the end, and resumes from the latest save."""
+    after the other in each epoch, a stage ending early under `sft.advance_exact` or
+    `sft.advance_loss`. With a checkpointer (the `sft` mode's, or the warm-up's own) it saves every
+    `checkpoint.every_steps` steps and at the end, and resumes from the latest save."""
     batches = builders.sft_batches(config, tokenizer, template, conversation_files, mesh)
     total = config.sft.epochs * batches.steps_per_epoch()
     optimizer_config = resolve.sft_optimizer_config(config, total)
