@@ -2,11 +2,16 @@
 
 Layer parameters are stacked along a leading ``layers`` axis and the decoder runs as one
 ``jax.lax.scan``: a 40-layer 14B model compiles as fast as a 2-layer one, and per-layer remat is a
-policy on the scanned body. Every parameter carries logical axis names (metadata ``logical_axes``)
-that `rstar_jax.model.sharding` maps to mesh axes through a rules table. The full forward and its
-gradient run on meshes of either axis type: under Explicit axes (`jax.make_mesh`'s default) each
-layer's weights are gathered over the batch's axes and contractions over sharded dimensions name
-their output's sharding; under Auto axes (`rstar_jax.parallel.make_mesh`) XLA places both.
+policy on the scanned body. The forwards also take the layers' parameters as a sequence of per-layer
+arrays (`hidden_states(..., layers=)`, `forward_with_paged_cache(..., layers=)`; `unstack_layers`
+makes them), run as a Python loop unrolled into the program: no layer's weights are sliced out of a
+stacked array, which on GPU is a copy per weight per layer (the engine's "per_layer" layout).
+
+Every parameter carries logical axis names (metadata ``logical_axes``) that `rstar_jax.model.sharding`
+maps to mesh axes through a rules table. The full forward and its gradient run on meshes of either
+axis type: under Explicit axes (`jax.make_mesh`'s default) each layer's weights are gathered over
+the batch's axes and contractions over sharded dimensions name their output's sharding; under Auto
+axes (`rstar_jax.parallel.make_mesh`) XLA places both.
 
 Numerics follow Hugging Face ``Qwen3ForCausalLM``: RMSNorm in fp32 with weight applied after the
 cast back, per-head q/k RMSNorm before RoPE, half-split ("rotate_half") RoPE, grouped-query
@@ -193,6 +198,22 @@ class Qwen3(nnx.Module):
     def _layer_params(self) -> dict[str, jax.Array]:
         return {name: getattr(self, name)[...] for name in self.LAYER_PARAMS}
 
+    def _run_layers(self, layer, carry, layers: Sequence[dict[str, jax.Array]] | None, *, index: bool = False):
+        """`layer(carry, xs) -> (carry, None)` over the decoder's layers: a scan over the stacked
+        parameters when `layers` is None, else a Python loop over the given per-layer parameters
+        (each layer's weights their own arrays: nothing is sliced). With `index`, xs is
+        (parameters, layer index): a traced int32 under the scan, a Python int in the loop."""
+        if layers is None:
+            params = self._layer_params()
+            xs = (params, jnp.arange(self.config.num_layers, dtype=jnp.int32)) if index else params
+            return jax.lax.scan(layer, carry, xs)[0]
+        if len(layers) != self.config.num_layers:
+            raise ValueError(f"Qwen3: layers holds {len(layers)} layers' parameters, the model has "
+                             f"{self.config.num_layers}")
+        for i, p in enumerate(layers):
+            carry, _ = layer(carry, (p, i) if index else p)
+        return carry
+
     def _activation_sharding(self, kind: str, shape, batch: tuple[str, ...] = ()):
         """The NamedSharding of activation `kind` (None when unset). `batch`: the mesh axes that
         already shard the batch in its type (Explicit axes): the caller's layout is kept there, so
@@ -275,8 +296,10 @@ class Qwen3(nnx.Module):
             return self._constrain(h + mlp, "act_btd")
 
     # -- full forward ---------------------------------------------------------------------------
-    def hidden_states(self, input_ids, positions=None, segment_ids=None) -> jax.Array:
-        """Final-norm hidden states [B, T, D] in the compute dtype."""
+    def hidden_states(self, input_ids, positions=None, segment_ids=None, *,
+                      layers: Sequence[dict[str, jax.Array]] | None = None) -> jax.Array:
+        """Final-norm hidden states [B, T, D] in the compute dtype. `layers`: the decoder layers'
+        parameters as per-layer arrays (`unstack_layers`), used instead of the stacked ones."""
         c = self.config
         b, t = input_ids.shape
         if positions is None:
@@ -302,7 +325,7 @@ class Qwen3(nnx.Module):
         policy = REMAT_POLICIES[c.remat_policy]
         if c.remat_policy != "none":
             layer = jax.checkpoint(layer, policy=policy, prevent_cse=False)
-        h, _ = jax.lax.scan(layer, h, self._layer_params())
+        h = self._run_layers(layer, h, layers)
         with jax.named_scope("final_norm"):
             return rms_norm(h, self.final_norm[...], c.rms_norm_eps)
 
@@ -323,7 +346,9 @@ class Qwen3(nnx.Module):
         return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     def forward_with_paged_cache(self, input_ids, positions, cache: PagedKVCache, page_table: jax.Array,
-                                 logits_at: jax.Array | None = None) -> tuple[jax.Array, PagedKVCache]:
+                                 logits_at: jax.Array | None = None, *,
+                                 layers: Sequence[dict[str, jax.Array]] | None = None
+                                 ) -> tuple[jax.Array, PagedKVCache]:
         """Writes the new tokens' K/V at their absolute positions and attends to positions <= each
         token's own, over a shared page pool; page_table [B, pages_per_sequence] (see PagedKVCache).
 
@@ -331,7 +356,10 @@ class Qwen3(nnx.Module):
         its pages back in order (a gather of pages_per_sequence * page_size positions), so the attention
         is the dense one over that row's span. Positions whose page is not allocated, or beyond the
         span, write nothing (their outputs are meaningless). `logits_at` [B]: unembed only that
-        position of each row and return logits [B, 1, V], as a prefill needs.
+        position of each row and return logits [B, 1, V], as a prefill needs. `layers`: the decoder
+        layers' parameters as per-layer arrays (`unstack_layers`), run unrolled instead of the scan
+        over the stacked ones; the pools stay stacked, each layer writing and reading its own slice
+        of them in place.
         """
         c = self.config
         b, pages_per_sequence = page_table.shape
@@ -365,8 +393,7 @@ class Qwen3(nnx.Module):
                 attn = attend(q, k_seq.astype(q.dtype), v_seq.astype(q.dtype), mask)
             return (self._finish_layer(p, h, attn), k_pool, v_pool), None
 
-        layers = jnp.arange(c.num_layers, dtype=jnp.int32)
-        (h, k_pool, v_pool), _ = jax.lax.scan(layer, (h, cache.k, cache.v), (self._layer_params(), layers))
+        h, k_pool, v_pool = self._run_layers(layer, (h, cache.k, cache.v), layers, index=True)
         if logits_at is not None:
             h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)
         h = rms_norm(h, self.final_norm[...], c.rms_norm_eps)
@@ -379,6 +406,16 @@ def param_logical_axes(model: Qwen3) -> dict[str, tuple[str, ...]]:
     for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         out[".".join(str(p) for p in path)] = tuple(var.get_metadata()["logical_axes"])
     return out
+
+
+def unstack_layers(params: dict[str, jax.Array]) -> tuple[dict[str, jax.Array], ...]:
+    """The stacked layer parameters {name: [layers, ...]} (`Qwen3.LAYER_PARAMS`) as one dict of
+    arrays per layer, what the forwards' `layers=` takes. Under jit each is a copy: make them once
+    (per weight update), not per step."""
+    num_layers = {w.shape[0] for w in params.values()}
+    if len(num_layers) != 1:
+        raise ValueError(f"unstack_layers: the parameters disagree on the number of layers: {sorted(num_layers)}")
+    return tuple({name: w[i] for name, w in params.items()} for i in range(num_layers.pop()))
 
 
 @functools.lru_cache(maxsize=None)
@@ -405,5 +442,6 @@ def sequence_positions(segment_ids: jax.Array) -> jax.Array:
 
 __all__: Sequence[str] = (
     "Qwen3Config", "Qwen3", "PagedKVCache", "abstract_model", "param_logical_axes", "sequence_positions",
+    "unstack_layers",
     "dtype_name", "DTYPE_NAMES", "REMAT_POLICIES", "REMAT_POLICY_NAMES", "ATTENTION_IMPLS",
 )
