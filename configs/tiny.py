@@ -18,9 +18,9 @@ turn (the `bare` template: every prompt byte is compute) learns this in a two-st
    the seed, the data order and the last bits of XLA:CPU's arithmetic: on one machine and seed, the
    same run formed it at step 400 compiled for AVX2 and at 1625 for SSE4.2, and a 2-core AVX2-only
    EPYC ran into the old 2000-step cap with a half-formed copy, ending RL at 0.53. With eight it
-   formed by step 225 to 375 (1,800 to 3,000 conversations) in every probe, and the runs of
-   benchmarks/default_run_spread.py end the stage at steps 250 to 400 over seeds 0 to 4 and three
-   arithmetic variants (benchmarks/RESULTS.md, "The default run on every machine"). The criterion
+   formed after 1,800 to 3,000 conversations in every probe, and the stage ended at steps 150 to
+   500 in 25 runs of the default: seeds 0 to 4 under five kinds of arithmetic (benchmarks/default_run_spread.py;
+   benchmarks/RESULTS.md, "The default run on every machine"). The criterion
    is what RL needs, not a loss threshold: after the copy forms, the loss at this rate hovers at
    0.001 to 0.006, so a threshold of 0.002 ended some stages late or never. The copy needs unique
    problems: 512 problems repeated over epochs are memorised instead. A mixture of behaviours from
@@ -37,19 +37,18 @@ turn (the `bare` template: every prompt byte is compute) learns this in a two-st
    whatever the last few batches showed.
 
 So RL starts from a policy that often skips the tool: room to improve. It does not recover from a
-broken call (the fix's copy sits at another distance): over seeds 0 to 4 no correct held-out
-trajectory at step 0 holds a failed call, so RoC has none to filter here (benchmarks/roc_effect.py's
-task, whose errors end with the failed line at one distance from the fix, is built for that). 12% to 27% of held-out
-problems (by seed) are solved at step 0, from the tool calls that copy correctly. 20 GRPO-RoC steps
-turn the policy to the tool: held-out pass@1 ends at 0.922 to 0.996 over seeds 0 to 4
-(benchmarks/RESULTS.md).
+broken call (the fix's copy sits at another distance): in none of those 25 runs does a
+correct held-out trajectory at step 0 hold a failed call, so RoC has none to filter here
+(benchmarks/roc_effect.py's task, whose errors end with the failed line
+at one distance from the fix, is built for that). 5% to 41% of held-out problems are solved at
+step 0, from the tool calls; 20 GRPO-RoC steps turn the policy to the tool: held-out pass@1 ends
+at 0.969 to 1.000 in the 25 runs.
 
 Held-out problems are drawn from their own seed and never appear among the RL or SFT problems.
 `train.eval_every` evaluates them (128 problems, 2 samples each) at steps 0, 10 and 20, with the same
 agentic loop as `python -m rstar_jax.evaluate`. Rollouts run on the in-process JaxEngine against a
 local sandbox server, which the launcher starts and stops. The run takes under 10 minutes on 2
-cores: about 3 on a 2-core Xeon at 2.5 GHz (seed 0: 709 warm-up steps in 63 s), 4 to 5.5 on one of
-its cores (seeds 0 to 4), and about 8 there if the warm-up took all its 2150 steps.
+cores: 2 to 4.2 on a 2-core AMD EPYC, 4 to 5.3 pinned to one of its cores.
 """
 
 import ml_collections
