@@ -25,14 +25,17 @@ finished in `--out` are read again, not repeated; `<out>/spread.json` keeps ever
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import os
 import pathlib
+import queue
 import re
-import subprocess
 import sys
 import threading
-import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import learning  # noqa: E402  (the launcher as users run it, shared)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # name -> (XLA_FLAGS, cores: None for every core this process may use)
@@ -51,21 +54,11 @@ STAGE_END = re.compile(r"\[sft\] stage 1 (ended at step (\d+) of \d+: (.*)|took 
 
 
 def launch(args: list[str], run_dir: pathlib.Path, xla_flags: str, cpus: frozenset[int] | None) -> float:
-    """The launcher as a user runs it, with only `xla_flags` as XLA_FLAGS; returns its wall time."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    if xla_flags:
-        env["XLA_FLAGS"] = xla_flags
+    """The launcher as a user runs it (`learning.launch`: one CPU device, only `xla_flags` as
+    XLA_FLAGS, on `cpus`), its log beside `run_dir`; returns its wall time, also kept in the run."""
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
-    with open(run_dir.with_suffix(".log"), "w") as log:
-        process = subprocess.Popen([sys.executable, "-m", "rstar_jax.launch", *args, f"--config.run_dir={run_dir}"],
-                                   cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        if cpus:  # before its interpreter starts the threads (and the sandbox) that inherit the set
-            os.sched_setaffinity(process.pid, cpus)
-        returncode = process.wait()
-    seconds = time.perf_counter() - t0
-    if returncode:
-        raise SystemExit(f"launcher failed ({returncode}), see {run_dir.with_suffix('.log')}")
+    seconds = learning.launch([*args, f"--config.run_dir={run_dir}"], run_dir.with_suffix(".log"), cpus,
+                              xla_flags=xla_flags)
     (run_dir / "wall_seconds.json").write_text(json.dumps({"seconds": seconds, "cores": sorted(cpus or [])}))
     return seconds
 
@@ -110,30 +103,24 @@ def run(seeds: list[int], variants: list[str], out: pathlib.Path, common: list[s
     # Every-core variants alone, one after the other; one-core variants `jobs` at a time on disjoint cores.
     for variant, seed in [t for t in tasks if VARIANTS[t[0]][1] is None]:
         one(variant, seed, None)
-    pinned = [t for t in tasks if VARIANTS[t[0]][1] is not None]
-    slots = [frozenset([core]) for core in available[:max(1, min(jobs, len(available)))]]
-    failures: list[BaseException] = []
+    slots = max(1, min(jobs, len(available)))
+    free_cores: queue.SimpleQueue = queue.SimpleQueue()
+    for core in available[:slots]:
+        free_cores.put(frozenset([core]))
 
-    def worker(cpus: frozenset[int]) -> None:
-        while True:
-            with lock:
-                if not pinned or failures:
-                    return
-                variant, seed = pinned.pop(0)
-            try:
-                one(variant, seed, cpus)
-            except BaseException as e:  # noqa: BLE001 - handed to the caller
-                with lock:
-                    failures.append(e)
-                return
+    def pinned(task: tuple[str, int]) -> None:
+        cpus = free_cores.get()
+        try:
+            one(*task, cpus)
+        finally:
+            free_cores.put(cpus)
 
-    threads = [threading.Thread(target=worker, args=(cpus,)) for cpus in slots]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if failures:
-        raise failures[0]
+    with concurrent.futures.ThreadPoolExecutor(slots) as pool:
+        futures = [pool.submit(pinned, t) for t in tasks if VARIANTS[t[0]][1] is not None]
+        for future in futures:
+            if future.exception() is not None:  # the first failure stops the runs not yet started
+                pool.shutdown(cancel_futures=True)
+                raise future.exception()
     return {f"{variant}_seed{seed}": results[variant, seed] for variant, seed in tasks}
 
 
