@@ -74,6 +74,12 @@ token as it is sampled, before the call returns; f returning True ends the reque
 was found), which then returns with reason "abort" and may hold a few tokens sampled meanwhile. A
 cancelled `generate` (a client that went away) aborts exactly its own request at the next step.
 
+Layer layout (`layer_layout`, see `rstar_jax.engine.settings`): "stacked" runs the programs as a scan
+over the model's stacked layer weights; "per_layer" holds each layer's weights as arrays of their own,
+cut from the stacked parameters at construction and at every weight update (`rstar_jax.engine.weights`),
+and runs the layers unrolled, so that no step slices (on GPU, copies) a layer's weights out of a
+stacked array. Outputs are the same either way (up to float rounding).
+
 Weight updates (`update_weights`) follow SGLang's `/update_weights_from_disk`. By default the call
 stops admitting new requests, lets every running (and retracted) request finish on the old weights,
 swaps the parameters and bumps the version; queued requests then run on the new weights. With
@@ -119,6 +125,8 @@ from rstar_jax.rollout.protocol import (
 from rstar_jax.engine.pages import PagePool
 from rstar_jax.engine.prefix import PrefixCache
 from rstar_jax.engine.sampling import row_keys, sample_tokens, truncating_rows
+from rstar_jax.engine.settings import DEFAULT_LAYER_LAYOUT
+from rstar_jax.engine.weights import EngineWeights
 
 MAX_STOP_IDS = 8
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -129,33 +137,36 @@ NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_DECODE_STEPS = 20  # SGLang's headroom per running request in the post-retraction estimate
 
 
-def prefill_step(graphdef, original_logprobs: bool, state, cache: PagedKVCache, tables, ids, starts, lengths, key,
-                 step, seeds, temperature, top_p, top_k):
-    """The engine's prefill kernel (jitted with `graphdef` and `original_logprobs` bound, the cache
-    donated): row r holds context[starts[r]:lengths[r]], written into its pages; one token sampled
-    per row. `key` is the engine's, `step` its call counter (this call's key is their fold: a key
-    split on the host costs a device round trip every step). Returns (cache, tokens, logprobs)."""
+def prefill_step(layout: EngineWeights, original_logprobs: bool, weights, cache: PagedKVCache, tables, ids, starts,
+                 lengths, key, step, seeds, temperature, top_p, top_k):
+    """The engine's prefill kernel (jitted with `layout` and `original_logprobs` bound, the cache
+    donated; `weights`: `layout.place`'s): row r holds context[starts[r]:lengths[r]], written into its
+    pages; one token sampled per row. `key` is the engine's, `step` its call counter (this call's key
+    is their fold: a key split on the host costs a device round trip every step). Returns (cache,
+    tokens, logprobs)."""
     key = jax.random.fold_in(key, step)
-    model = nnx.merge(graphdef, state)
+    model, layers = layout.model(weights)
     # Positions before starts[r] are already in row r's pages.
     positions = starts[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
-    logits, cache = model.forward_with_paged_cache(ids, positions, cache, tables, logits_at=lengths - starts - 1)
+    logits, cache = model.forward_with_paged_cache(ids, positions, cache, tables, logits_at=lengths - starts - 1,
+                                                   layers=layers)
     # The first sampled token sits at absolute position `length`.
     keys = row_keys(key, seeds, lengths)
     tokens, logprobs = sample_tokens(logits[:, 0], keys, temperature, top_p, top_k, original=original_logprobs)
     return cache, tokens, logprobs
 
 
-def decode_step(graphdef, original_logprobs: bool, truncation: bool, state, cache: PagedKVCache, page_table, tokens,
-                previous, from_previous, positions, key, step, seeds, temperature, top_p, top_k):
+def decode_step(layout: EngineWeights, original_logprobs: bool, truncation: bool, weights, cache: PagedKVCache,
+                page_table, tokens, previous, from_previous, positions, key, step, seeds, temperature, top_p, top_k):
     """The engine's decode kernel: one token for every slot (`key`, `step`: as `prefill_step`'s).
     A slot's input token is `previous` (the last step's output, still on the device) where
     `from_previous`, else `tokens` (from the host). `truncation`: whether some slot samples with top-p
     or top-k, decided on the host (`sample_tokens`). Returns (cache, tokens, logprobs)."""
     key = jax.random.fold_in(key, step)
     tokens = jnp.where(from_previous, previous, tokens)
-    model = nnx.merge(graphdef, state)
-    logits, cache = model.forward_with_paged_cache(tokens[:, None], positions[:, None], cache, page_table)
+    model, layers = layout.model(weights)
+    logits, cache = model.forward_with_paged_cache(tokens[:, None], positions[:, None], cache, page_table,
+                                                   layers=layers)
     keys = row_keys(key, seeds, positions + 1)  # the sampled token's absolute position
     next_tokens, logprobs = sample_tokens(logits[:, 0], keys, temperature, top_p, top_k, original=original_logprobs,
                                           truncation=truncation)
@@ -165,13 +176,14 @@ def decode_step(graphdef, original_logprobs: bool, truncation: bool, state, cach
 SCORE_CHUNK = 256  # positions unembedded at once when scoring: [chunk, vocab] logits live at a time
 
 
-def score_step(graphdef, top_k: int, state, ids, targets, temperature):
-    """The engine's scoring kernel (jitted with `graphdef` and `top_k` bound): ids, targets and
+def score_step(layout: EngineWeights, top_k: int, weights, ids, targets, temperature):
+    """The engine's scoring kernel (jitted with `layout` and `top_k` bound): ids, targets and
     temperature [T] (zero padded at the end). Position t's distribution is log_softmax(logits[t] /
     temperature[t]), that of the token after ids[t]. Returns (logprobs [T] of targets[t],
     top_logprobs [T, top_k], top_ids [T, top_k])."""
-    model = nnx.merge(graphdef, state)
-    hidden = model.hidden_states(ids[None, :])[0]  # [T, D]: causal, so the padding changes nothing before it
+    model, layers = layout.model(weights)
+    # [T, D]: causal, so the padding changes nothing before it.
+    hidden = model.hidden_states(ids[None, :], layers=layers)[0]
     t = ids.shape[0]
     chunk = min(SCORE_CHUNK, t)
     pad = -t % chunk
@@ -506,7 +518,7 @@ class _Scheduler:
         # NumPy arguments go to the jitted call as they are: its C++ path transfers them, where
         # jnp.asarray dispatches a staging computation for each (most of a decode step's host time on a GPU).
         self._cache, tokens, logprobs = self._prefill(
-            self._state, self._cache, tables, ids, starts, lengths, self._key, self._next_step(),
+            self._weights, self._cache, tables, ids, starts, lengths, self._key, self._next_step(),
             seeds, temperature, top_p, top_k)
         tokens, logprobs = np.asarray(tokens), np.asarray(logprobs)
         now = time.perf_counter()
@@ -590,7 +602,7 @@ class _Scheduler:
         # Copies of the engine's own arrays: a CPU device may read a NumPy argument in place, later.
         truncation = bool(np.any(truncating_rows(temperature, top_p, top_k, self.vocab_size)))
         self._cache, tokens, logprobs = self._decode[truncation](
-            self._state, self._cache, self._page_table[:, :span].copy(), self._last_token.copy(),
+            self._weights, self._cache, self._page_table[:, :span].copy(), self._last_token.copy(),
             self._no_tokens if previous is None else previous.tokens, from_previous, positions,
             self._key, self._next_step(), seeds, temperature, top_p, top_k)
         self._in_flight = _InFlight(tokens, logprobs, {i: self._active[i] for i in active})
@@ -661,6 +673,9 @@ class JaxEngine(_Scheduler):
     Counters: `shared_pages`, the pages admissions took from another holder (a running request or a
     cached prefix) instead of prefilling them, and `shared_tokens`, the context tokens those pages
     held, both cumulative over every admission (re-admissions after retraction included).
+    layer_layout: how the engine holds the decoder layers' weights, "stacked" or "per_layer" (see the
+    module docstring and `rstar_jax.engine.settings`); `extra_weight_bytes` is what the layout holds
+    per device beside the model's parameters.
     The attribute `on_first_token` (default None), if set, is called from the engine thread with each
     request's seconds from submission to its first token, e.g. for a metrics histogram; it must be quick.
     """
@@ -673,7 +688,7 @@ class JaxEngine(_Scheduler):
                  chunked_prefill_size: int | None = None,
                  prefill_buckets: Sequence[int] = (64, 128, 256, 512, 1024, 2048, 4096, 8192),
                  seed: int = 0, cache_dtype: str | None = None, original_logprobs: bool = False,
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, layer_layout: str = DEFAULT_LAYER_LAYOUT):
         if slots < 1 or max_length < 2:
             raise ValueError(f"JaxEngine: slots ({slots}) must be >= 1 and max_length ({max_length}) >= 2")
         if page_size < 1 or prefill_batch < 1:
@@ -695,7 +710,14 @@ class JaxEngine(_Scheduler):
         self._span_buckets = sorted({-(-self.pages_per_sequence // d) for d in (8, 4, 2, 1)})
         self.vocab_size = model.config.vocab_size
         self.buckets = sorted({min(b, max_length) for b in prefill_buckets} | {max_length})
-        self._graphdef, self._state = nnx.split(model)
+        graphdef, state = nnx.split(model)
+        try:
+            self._layout = EngineWeights(graphdef, state, layer_layout)
+        except ValueError as e:
+            raise ValueError(f"JaxEngine: {e}") from None
+        self.layer_layout = layer_layout
+        self.extra_weight_bytes = self._layout.extra_bytes_per_device()
+        self._weights = self._layout.place(state)
         self._cache = model.init_paged_cache(self.num_pages, page_size, cache_dtype)
         if mesh is not None:
             self._cache = jax.device_put(self._cache, pool_sharding(mesh, model.config.num_kv_heads))
@@ -739,9 +761,9 @@ class JaxEngine(_Scheduler):
         self.generated_tokens = 0  # tokens sampled so far (every request, aborted ones included)
         self.on_first_token: Callable[[float], None] | None = None
         self._score = functools.lru_cache(maxsize=None)(
-            lambda top_k: jax.jit(functools.partial(score_step, self._graphdef, top_k)))
-        self._prefill = jax.jit(functools.partial(prefill_step, self._graphdef, original_logprobs), donate_argnums=(1,))
-        self._decode = {truncation: jax.jit(functools.partial(decode_step, self._graphdef, original_logprobs, truncation),
+            lambda top_k: jax.jit(functools.partial(score_step, self._layout, top_k)))
+        self._prefill = jax.jit(functools.partial(prefill_step, self._layout, original_logprobs), donate_argnums=(1,))
+        self._decode = {truncation: jax.jit(functools.partial(decode_step, self._layout, original_logprobs, truncation),
                                             donate_argnums=(1,)) for truncation in (False, True)}
         self.steps = 0
         self.retractions = 0  # requests retracted so far (all of them)
@@ -756,7 +778,7 @@ class JaxEngine(_Scheduler):
     def model(self) -> Qwen3:
         """The model generation runs on now (the parameters of the last weight update), in variables of
         its own: changing them does not change the engine's."""
-        return nnx.merge(self._graphdef, self._state, copy=True)
+        return nnx.merge(self._layout.graphdef, self._layout.stacked(self._weights), copy=True)
 
     async def generate(self, input_ids: Sequence[int], sampling: SamplingParams, rid: str | None = None, *,
                        on_token: Callable[[int, float], bool | None] | None = None) -> GenerateResult:
@@ -810,7 +832,7 @@ class JaxEngine(_Scheduler):
         temps[start - 1:len(inputs)] = np.broadcast_to(np.asarray(temperature, np.float32), (n,))
         # k rounded up to a power of two: a client asking for 3, then 5, reuses one compiled kernel.
         k = min(1 << (top_k - 1).bit_length(), self.vocab_size) if top_k else 0
-        picked, values, indices = self._score(k)(self._state, jnp.asarray(padded), jnp.asarray(targets),
+        picked, values, indices = self._score(k)(self._weights, jnp.asarray(padded), jnp.asarray(targets),
                                                  jnp.asarray(temps))
         rows = slice(start - 1, len(inputs))
         return (np.asarray(picked)[rows], np.asarray(values)[rows, :top_k], np.asarray(indices)[rows, :top_k])
@@ -836,7 +858,8 @@ class JaxEngine(_Scheduler):
                        version: int | None = None) -> int:
         """Swaps in new parameters (a `Qwen3` or its `nnx.State`) and returns the new version.
 
-        Parameters are resharded onto the engine's placements when they live elsewhere. By default
+        Parameters are resharded onto the engine's placements when they live elsewhere, and laid out
+        as the engine's `layer_layout` holds them (the per-layer layout's copy, before any wait). By default
         running and retracted requests finish on the old weights first (new ones wait); with
         `abort_in_flight` they end at once with reason "abort" and their partial tokens; with
         `in_place` the swap happens between two engine steps and they go on under the new weights
@@ -847,15 +870,17 @@ class JaxEngine(_Scheduler):
         if abort_in_flight and in_place:
             raise ValueError("update_weights: abort_in_flight and in_place exclude each other")
         state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
-        if jax.tree.structure(state) != jax.tree.structure(self._state):
+        abstract = self._layout.abstract
+        if jax.tree.structure(state) != jax.tree.structure(abstract):
             raise ValueError("update_weights: the new parameters do not match the engine's model structure")
-        for (path, new), old in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(self._state)):
+        for (path, new), old in zip(jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(abstract)):
             if new.shape != old.shape:
                 raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} has shape {new.shape}, "
                                  f"the engine's is {old.shape}")
         # device_put onto the engine's shardings reshards when the trainer's mesh differs.
         new_state = jax.tree.map(lambda new, old: jax.device_put(new.astype(old.dtype), old.sharding),
-                                 state, self._state)
+                                 state, abstract)
+        new_weights = self._layout.place(new_state)
         with self._lock:
             self._admission_blocks += 1
         try:
@@ -867,7 +892,7 @@ class JaxEngine(_Scheduler):
                     if drained or in_place or self._pause_mode is not None:
                         self._settle()  # tokens of the step in flight are the old weights'
                         self._drop_prefixes()  # their KV came from the old weights
-                        self._state = new_state
+                        self._weights = new_weights
                         self._version = self._version + 1 if version is None else int(version)
                         return self._version
                 self._wake.set()

@@ -432,7 +432,7 @@ def test_sharded_engine_on_the_8_device_mesh_matches_and_takes_resharded_weights
             assert r.token_ids == _reference(model, p, 5)[0]
         other = Qwen3(CONFIG, rngs=nnx.Rngs(1))
         eng.update_weights(other)
-        leaf = jax.tree.leaves(eng._state)[0]
+        leaf = jax.tree.leaves(eng._weights)[0]
         assert len(leaf.sharding.device_set) == 8
         for p, r in zip(prompts, asyncio.run(batch())):
             assert r.token_ids == _reference(other, p, 5)[0]
