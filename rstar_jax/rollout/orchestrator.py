@@ -6,14 +6,16 @@ loop finalises it) or cancelling the consumer cancels every outstanding trajecto
 so no task or sandbox call is leaked. Leaving an `async for` early without `aclosing` defers that
 clean-up to the asyncio finaliser, so wrap the iteration when the caller goes on running.
 
-While trajectories run, the objects that existed before the first one started are kept out of the
-cyclic garbage collector (`gc.freeze()`, undone by `gc.unfreeze()` once no orchestrator has
-trajectories running; `freeze_gc=False` leaves the collector alone). A rollout allocates a
-container or more per token it parses, so the collector runs every few turns, and each of its full
-passes would otherwise walk every object of the process (the trainer's: modules, JAX, the model's
-Python objects): a few to tens of milliseconds each (benchmarks/host_rollout.py measures it).
-Reference counting frees everything as before; only cycles among the frozen objects wait for the
-unfreeze.
+While trajectories run, the cyclic garbage collector is tuned for a rollout (`freeze_gc=False`
+leaves it alone): the objects that existed before the first trajectory started are kept out of it
+(`gc.freeze()`), and it runs its youngest pass every GC_YOUNG_THRESHOLD container allocations
+instead of every 700; both are undone once no orchestrator has trajectories running. A rollout
+allocates a container per token it parses (SGLang's log-prob triples), so at the default threshold
+the collector ran every few turns, and its full passes walked every object of the process (the
+trainer's: modules, JAX, the model's Python objects), a few to tens of milliseconds each: about 0.9
+ms of a 3.5 ms turn with 256 trajectories in flight (benchmarks/host_rollout.py). Reference
+counting frees everything as before; only cycles wait longer (among the frozen objects, until the
+rollout ends).
 """
 
 from __future__ import annotations
@@ -38,25 +40,32 @@ def trajectory_runner(generator, tokenizer, executor, *, config, scorer, templat
     return run_one
 
 
-_freezes = 0  # orchestrators with trajectories running under a gc.freeze()
+GC_YOUNG_THRESHOLD = 20_000  # container allocations between the collector's youngest passes, in a rollout
+_freezes = 0  # orchestrators with trajectories running under gc_frozen
+_thresholds: tuple[int, ...] = ()  # the collector's thresholds before the first of them
 
 
 @contextlib.contextmanager
 def gc_frozen(enabled: bool = True) -> Iterator[None]:
-    """Within: the objects that existed on entry stay out of the cyclic collector's passes (nested
-    and concurrent uses share one freeze, lifted when the last one leaves)."""
-    global _freezes
+    """Within: the objects that existed on entry stay out of the cyclic collector's passes, and its
+    youngest pass runs every GC_YOUNG_THRESHOLD allocations at most (nested and concurrent uses share
+    one setting, undone when the last one leaves)."""
+    global _freezes, _thresholds
     if not enabled:
         yield
         return
     if _freezes == 0:
         gc.freeze()
+        _thresholds = gc.get_threshold()
+        if 0 < _thresholds[0] < GC_YOUNG_THRESHOLD:  # 0: the collector is off; leave it so
+            gc.set_threshold(GC_YOUNG_THRESHOLD, *_thresholds[1:])
     _freezes += 1
     try:
         yield
     finally:
         _freezes -= 1
         if _freezes == 0:
+            gc.set_threshold(*_thresholds)
             gc.unfreeze()
 
 

@@ -15,7 +15,7 @@ from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import IM_END, ByteTokenizer
 from rstar_jax.agent.tool_calls import format_observation
 from rstar_jax.rollout.loop import LoopConfig, run_trajectory
-from rstar_jax.rollout.orchestrator import Orchestrator, trajectory_runner
+from rstar_jax.rollout.orchestrator import GC_YOUNG_THRESHOLD, Orchestrator, trajectory_runner
 from rstar_jax.rollout.protocol import Capacity, GenerateResult
 from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.agent.stats import release_counts
@@ -203,10 +203,12 @@ def test_trajectories_run_with_the_objects_before_them_frozen_out_of_the_collect
     before them alone (gc.freeze); afterwards (or with freeze_gc=False) nothing is frozen."""
     import gc
 
-    frozen = []
+    frozen, thresholds = [], []
+    before = gc.get_threshold()
 
     async def one(question, gold, group_id, sample_index):
         frozen.append(gc.get_freeze_count())
+        thresholds.append(gc.get_threshold()[0])
         await asyncio.sleep(0)
         return await trajectory_runner(ScriptedGenerator({"Q": [f"\\boxed{{42}}{IM_END}"]}), TOK, FakeExecutor(),
                                        config=LoopConfig(), scorer=exact_scorer)(question, gold, group_id, sample_index)
@@ -214,6 +216,7 @@ def test_trajectories_run_with_the_objects_before_them_frozen_out_of_the_collect
     assert gc.get_freeze_count() == 0
     asyncio.run(Orchestrator(one).collect([("Q", "42")], 3))
     assert len(frozen) == 3 and min(frozen) > 0 and gc.get_freeze_count() == 0
+    assert set(thresholds) == {max(before[0], GC_YOUNG_THRESHOLD)} and gc.get_threshold() == before
 
     async def both():  # concurrent orchestrators share one freeze, lifted when the last one ends
         return await asyncio.gather(Orchestrator(one).collect([("Q", "42")], 2), Orchestrator(one).collect([("Q", "42")], 2))
@@ -222,8 +225,9 @@ def test_trajectories_run_with_the_objects_before_them_frozen_out_of_the_collect
     asyncio.run(both())
     assert len(frozen) == 4 and min(frozen) > 0 and gc.get_freeze_count() == 0
     frozen.clear()
+    thresholds.clear()
     asyncio.run(Orchestrator(one, freeze_gc=False).collect([("Q", "42")], 2))
-    assert frozen == [0, 0]
+    assert frozen == [0, 0] and thresholds == [before[0]] * 2
 
 
 def test_paper_counting_beside_release_counting():
