@@ -146,6 +146,11 @@ def get_config() -> ml_collections.ConfigDict:
     # this many tokens, so a long context (a retracted trajectory's recompute) is prefilled over
     # several steps while the others decode, and a prefill's activations stay bounded. 0: off.
     c.rollout.engine.chunked_prefill_size = 8192
+    # How the engine holds the decoder layers' weights: "stacked" (a scan over [layers, ...] arrays;
+    # on GPU each layer-step copies its weights' slices) or "per_layer" (each layer's weights their own
+    # arrays, cut from the trainer's at every weight sync, and the layers unrolled: more compile time
+    # and one more copy of the layer weights in memory). Also `python -m rstar_jax.serve --layer-layout`.
+    c.rollout.engine.layer_layout = "stacked"
 
     c.rl = ml_collections.ConfigDict()
     c.rl.group_size = 16  # spec §5.3: RoC keeps 16 of 32

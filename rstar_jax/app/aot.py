@@ -29,6 +29,7 @@ from rstar_jax.parallel import make_mesh
 from rstar_jax.parallel.memory import GIB, memory_plan
 from rstar_jax.rl.loss import LossConfig
 from rstar_jax.engine.jax_engine import decode_step, pool_sharding, prefill_step
+from rstar_jax.engine.weights import EngineWeights
 from rstar_jax.app import builders
 from rstar_jax.train.batching import TrainingSequence, make_micro_batches
 from rstar_jax.train.rl_batch import row_length_for
@@ -156,16 +157,17 @@ def report(config, mesh, steps: list[CompiledStep]) -> str:
     plan = memory_plan(model_config, mesh, rules=builders.mesh_rules(config), preset=config.model.preset,
                        grad_dtype="float32")
     mesh_text = " x ".join(f"{k}={v}" for k, v in mesh.shape.items())
+    width = max([22] + [len(s.name) + 1 for s in steps])
     lines = [f"{config.model.preset}: {plan.num_params / 1e9:.2f}B parameters ({model_config.param_dtype}), "
              f"compute {model_config.dtype}, remat {model_config.remat_policy}, mesh {mesh_text} "
              f"({mesh.size} devices)",
              f"memory plan per device: parameters {plan.param_bytes / GIB:.2f} GiB, gradients (float32) "
              f"{plan.grad_bytes / GIB:.2f} GiB, optimizer state {plan.opt_state_bytes / GIB:.2f} GiB",
-             f"{'per device, GiB':<22}{'arguments':>10}{'(data)':>9}{'outputs':>9}{'aliased':>9}{'temps':>9}"
+             f"{'per device, GiB':<{width}}{'arguments':>10}{'(data)':>9}{'outputs':>9}{'aliased':>9}{'temps':>9}"
              f"{'peak':>9}{'MI300X':>9}{'H100':>9}{'compile s':>11}"]
     for s in steps:
         fractions = [f"{s.peak_bytes / capacity:>8.0%}" for capacity in DEVICE_MEMORY.values()]
-        lines.append(f"{s.name:<22}{s.argument_bytes / GIB:>10.3f}{s.data_bytes / GIB:>9.3f}"
+        lines.append(f"{s.name:<{width}}{s.argument_bytes / GIB:>10.3f}{s.data_bytes / GIB:>9.3f}"
                      f"{s.output_bytes / GIB:>9.3f}{s.alias_bytes / GIB:>9.3f}{s.temp_bytes / GIB:>9.3f}"
                      f"{s.peak_bytes / GIB:>9.3f} {' '.join(fractions)}{s.compile_s:>11.1f}")
     lines.append("peak = arguments + outputs - aliased (donated) + temporaries; (data): the batch or the KV page pool; "
@@ -185,11 +187,13 @@ def prefill_length(engine_config) -> int:
 def compile_engine(config, tensor: int) -> list[CompiledStep]:
     """The in-process engine's prefill (a full prefill batch of the longest row it runs,
     `prefill_length`) and decode (every slot) at `tensor`-way tensor parallelism over the first
-    `tensor` devices, with `rollout.engine`'s slots and KV page pool: what one generation replica of
-    that size holds."""
+    `tensor` devices, with `rollout.engine`'s slots, KV page pool and layer layout: what one generation
+    replica of that size holds."""
     e = config.rollout.engine
     mesh = make_mesh(data=1, fsdp=1, tensor=tensor, devices=jax.devices()[:tensor])
     (graphdef, state), model = _abstract_model(config, mesh)
+    layout = EngineWeights(graphdef, state, e.layer_layout)
+    weights = layout.abstract_weights()
     total = e.max_total_tokens or e.slots * e.max_length
     num_pages, span = -(-max(total, e.max_length) // e.page_size), -(-e.max_length // e.page_size)
     cache = jax.eval_shape(lambda: model.init_paged_cache(num_pages, e.page_size))
@@ -207,13 +211,15 @@ def compile_engine(config, tensor: int) -> list[CompiledStep]:
     key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=replicated)
     step = jax.ShapeDtypeStruct((), jnp.uint32, sharding=replicated)
     rows = min(8, e.slots)  # JaxEngine's prefill batch
-    prefill_args = [state, cache, *arrays(((rows, span), jnp.int32), ((rows, prefill_length(e)), jnp.int32),
-                                          ((rows,), jnp.int32), ((rows,), jnp.int32)), key, step, *sampling(rows)]
-    decode_args = [state, cache, *arrays(((e.slots, span), jnp.int32), ((e.slots,), jnp.int32), ((e.slots,), jnp.int32),
-                                         ((e.slots,), jnp.bool_), ((e.slots,), jnp.int32)), key, step, *sampling(e.slots)]
+    prefill_args = [weights, cache, *arrays(((rows, span), jnp.int32), ((rows, prefill_length(e)), jnp.int32),
+                                            ((rows,), jnp.int32), ((rows,), jnp.int32)), key, step, *sampling(rows)]
+    slots = e.slots
+    decode_args = [weights, cache, *arrays(((slots, span), jnp.int32), ((slots,), jnp.int32), ((slots,), jnp.int32),
+                                           ((slots,), jnp.bool_), ((slots,), jnp.int32)), key, step, *sampling(slots)]
     # The RL setting: full-vocabulary sampling, so decode has no top-p / top-k sort.
-    prefill = functools.partial(prefill_step, graphdef, False)
-    decode = functools.partial(decode_step, graphdef, False, False)
+    prefill = functools.partial(prefill_step, layout, False)
+    decode = functools.partial(decode_step, layout, False, False)
+    where = "" if e.layer_layout == "stacked" else f", {e.layer_layout}"
     return [_measure(name, jax.jit(kernel, donate_argnums=(1,)), args, data=cache)
-            for name, kernel, args in ((f"engine prefill (tp {tensor})", prefill, prefill_args),
-                                       (f"engine decode (tp {tensor})", decode, decode_args))]
+            for name, kernel, args in ((f"engine prefill (tp {tensor}{where})", prefill, prefill_args),
+                                       (f"engine decode (tp {tensor}{where})", decode, decode_args))]

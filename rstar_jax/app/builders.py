@@ -51,6 +51,8 @@ from rstar_jax.model.hf import load_pretrained, save_pretrained
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.parallel import MESH_AXES, create_sharded_model, make_mesh, multihost, shard_model
 from rstar_jax.engine.jax_engine import JaxEngine
+from rstar_jax.engine.settings import DEFAULT_LAYER_LAYOUT
+from rstar_jax.engine.weights import extra_bytes_per_device
 from rstar_jax.engine.local_server import LocalServer
 from rstar_jax.rollout.loop import Scorer, ToolExecutor
 from rstar_jax.rollout.protocol import Scheduler
@@ -180,15 +182,17 @@ def serving_policy(model: str, *, tp_size: int = 1, seed: int = 0):
 
 
 def engine_for(model: Qwen3, mesh: Mesh | None, *, slots: int, max_length: int, max_total_tokens: int | None = None,
-               page_size: int = 16, seed: int = 0, chunked_prefill_size: int | None = None) -> JaxEngine:
+               page_size: int = 16, seed: int = 0, chunked_prefill_size: int | None = None,
+               layer_layout: str = DEFAULT_LAYER_LAYOUT) -> JaxEngine:
     """The one JaxEngine construction: on the policy's mesh, prefill compiled per prompt bucket.
-    chunked_prefill_size: None, 0 or -1 (SGLang's "off") for no chunking."""
+    chunked_prefill_size: None, 0 or -1 (SGLang's "off") for no chunking. layer_layout: how the
+    engine holds the layer weights (`rstar_jax.engine.settings`)."""
     if max_total_tokens is not None:
         max_total_tokens = max(max_total_tokens, max_length)  # one request always fits
     buckets = tuple(b for b in PREFILL_BUCKETS if b < max_length)
     return JaxEngine(model, slots=slots, max_length=max_length, max_total_tokens=max_total_tokens,
                      page_size=page_size, prefill_buckets=buckets, seed=seed, mesh=mesh,
-                     chunked_prefill_size=max(chunked_prefill_size or 0, 0) or None)
+                     chunked_prefill_size=max(chunked_prefill_size or 0, 0) or None, layer_layout=layer_layout)
 
 
 def engine_policy(config, model: Qwen3, mesh: Mesh) -> tuple[Qwen3, Mesh]:
@@ -206,7 +210,8 @@ def engine_policy(config, model: Qwen3, mesh: Mesh) -> tuple[Qwen3, Mesh]:
 def make_engine(config, model: Qwen3, mesh: Mesh | None, *, max_length: int | None = None) -> JaxEngine:
     """`config.rollout.engine`'s engine (context `max_length` when given, e.g. an evaluation's budget).
     Its KV pool: `max_total_tokens`, else `mem_fraction_static` of device memory (SGLang's sizing,
-    beside what is in use now: the weights and, in RL, the optimizer state), else slots x max_length."""
+    beside what is in use now: the weights and, in RL, the optimizer state, and what the engine's
+    `layer_layout` will hold), else slots x max_length."""
     e = config.rollout.engine
     if mesh is not None:
         model, mesh = engine_policy(config, model, mesh)
@@ -215,9 +220,11 @@ def make_engine(config, model: Qwen3, mesh: Mesh | None, *, max_length: int | No
     if pool is None and e.mem_fraction_static > 0:
         pool = kv_pool_tokens(model, mesh, mem_fraction=e.mem_fraction_static, context_length=max_length,
                               fallback=e.slots * max_length, names=CONFIG_NAMES,
-                              report=lambda line: print(f"[engine] {line}", flush=True))
+                              report=lambda line: print(f"[engine] {line}", flush=True),
+                              reserved_bytes=extra_bytes_per_device(model, e.layer_layout))
     return engine_for(model, mesh, slots=e.slots, max_length=max_length, max_total_tokens=pool,
-                      page_size=e.page_size, seed=config.seed, chunked_prefill_size=e.chunked_prefill_size)
+                      page_size=e.page_size, seed=config.seed, chunked_prefill_size=e.chunked_prefill_size,
+                      layer_layout=e.layer_layout)
 
 
 # -- protocol and data -----------------------------------------------------------------------------
@@ -416,6 +423,19 @@ def sandbox(config) -> Iterator[list[str]]:
         yield [local.http_url if fusion else local.target]
 
 
+def local_server_flags(engine) -> list[str]:
+    """`rstar_jax.serve` flags for `rollout.engine`'s settings beyond LocalServer's own arguments,
+    where they differ from the command's defaults."""
+    flags = []
+    if engine.chunked_prefill_size > 0:
+        flags += ["--chunked-prefill-size", str(engine.chunked_prefill_size)]
+    if engine.mem_fraction_static > 0:
+        flags += ["--mem-fraction-static", str(engine.mem_fraction_static)]
+    if engine.layer_layout != DEFAULT_LAYER_LAYOUT:  # ours, not SGLang's
+        flags += ["--layer-layout", engine.layer_layout]
+    return flags
+
+
 @contextlib.contextmanager
 def local_servers(config, model: Qwen3) -> Iterator[list[str]]:
     """`rollout.local_servers` `python -m rstar_jax.serve` processes started from `model` (exported to
@@ -432,16 +452,11 @@ def local_servers(config, model: Qwen3) -> Iterator[list[str]]:
     w = config.weight_sync
     initial = save_pretrained(model, weight_sync_directory(config), dtype=w.dtype or None,
                               max_shard_bytes=w.max_shard_bytes, writer_threads=w.writer_threads)  # as DiskSync
-    extra = []  # rollout.engine's settings that have an SGLang flag, where they differ from its default
-    if r.engine.chunked_prefill_size > 0:
-        extra += ["--chunked-prefill-size", str(r.engine.chunked_prefill_size)]
-    if r.engine.mem_fraction_static > 0:
-        extra += ["--mem-fraction-static", str(r.engine.mem_fraction_static)]
     with contextlib.ExitStack() as stack:
         yield [stack.enter_context(LocalServer(
             str(initial), slots=r.engine.slots, max_length=r.engine.max_length,
             max_total_tokens=r.engine.max_total_tokens or None, page_size=r.engine.page_size, seed=config.seed,
-            extra_args=tuple(extra))).url
+            extra_args=tuple(local_server_flags(r.engine)))).url
             for _ in range(r.local_servers)]
 
 

@@ -21,12 +21,15 @@ CONFIG_NAMES = {"fraction": "config.rollout.engine.mem_fraction_static",
 
 
 def kv_pool_tokens(model, mesh, *, mem_fraction: float, context_length: int, fallback: int,
-                   names: dict[str, str] = SERVE_NAMES, report: Callable[[str], None] | None = None) -> int:
+                   names: dict[str, str] = SERVE_NAMES, report: Callable[[str], None] | None = None,
+                   reserved_bytes: int = 0) -> int:
     """SGLang's KV pool sizing: `mem_fraction` of each device's memory limit holds the weights and
     the pool, so the pool gets that fraction less what is in use after loading (the tightest device
-    decides). `fallback` where a device reports no memory statistics (CPU); refused when it would not
-    fit `mem_fraction` of the host's memory, where that is known. `mesh` None: the default device.
-    `report` (default: this module's logger) receives the sizing line."""
+    decides) and less `reserved_bytes` per device that the engine will hold beside them (its
+    per-layer weight copies, `rstar_jax.engine.weights.extra_bytes_per_device`). `fallback` where a
+    device reports no memory statistics (CPU); refused when it would not fit `mem_fraction` of the
+    host's memory, where that is known. `mesh` None: the default device. `report` (default: this
+    module's logger) receives the sizing line."""
     import jax  # here: `python -m rstar_jax.serve --help` imports this module, and needs no JAX
     import jax.numpy as jnp
 
@@ -49,15 +52,18 @@ def kv_pool_tokens(model, mesh, *, mem_fraction: float, context_length: int, fal
         report(f"{devices[0].platform} reports no memory statistics: KV pool of {names['fallback']} = {fallback} "
                f"tokens ({pool / gib:.2f} GiB; pass {pool_name} to choose)")
         return fallback
-    free = min(mem_fraction * s["bytes_limit"] - s["bytes_in_use"] for s in stats)
+    free = min(mem_fraction * s["bytes_limit"] - s["bytes_in_use"] for s in stats) - reserved_bytes
     tokens = int(free // per_token)
     if tokens < context_length:
         limit, used = stats[0]["bytes_limit"] / gib, stats[0]["bytes_in_use"] / gib
+        reserved = f" and {reserved_bytes / gib:.1f} GiB of per-layer weights" if reserved_bytes else ""
         raise UserError(f"{fraction} {mem_fraction}: {mem_fraction} x {limit:.1f} GiB leaves room for "
-                        f"{max(tokens, 0)} KV tokens beside {used:.1f} GiB in use, below one request's context "
-                        f"({context_length}); raise it, or lower {context}")
+                        f"{max(tokens, 0)} KV tokens beside {used:.1f} GiB in use{reserved}, below one request's "
+                        f"context ({context_length}); raise it, or lower {context}")
+    reserved = f" and {reserved_bytes / gib:.2f} GiB of per-layer weights" if reserved_bytes else ""
     report(f"KV pool of {tokens} tokens ({tokens * per_token / gib:.2f} GiB per device): {fraction} {mem_fraction} "
-           f"of {stats[0]['bytes_limit'] / gib:.1f} GiB, less {stats[0]['bytes_in_use'] / gib:.1f} GiB in use")
+           f"of {stats[0]['bytes_limit'] / gib:.1f} GiB, less {stats[0]['bytes_in_use'] / gib:.1f} GiB in use"
+           f"{reserved}")
     return tokens
 
 

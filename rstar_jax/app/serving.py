@@ -15,6 +15,7 @@ import pathlib
 
 from rstar_jax.agent.tokenizer import HFTokenizer
 from rstar_jax.errors import UserError
+from rstar_jax.engine.settings import DEFAULT_LAYER_LAYOUT, LAYER_LAYOUTS
 from rstar_jax.engine.textgen import JinjaChatTemplate
 from rstar_jax.app.kv_pool import kv_pool_tokens
 
@@ -54,6 +55,7 @@ async def run(args) -> None:
     # Here rather than at the top: `python -m rstar_jax.serve --help` and bad flags need none of it.
     from rstar_jax.app.builders import engine_for, serving_policy
     from rstar_jax.engine.server import serve
+    from rstar_jax.engine.weights import extra_bytes_per_device
     from rstar_jax.model.hf import hf_tensor, update_from_hf_tensors
 
     tokenizer, tokenizer_path, chat_template = await asyncio.to_thread(load_text, args)
@@ -65,10 +67,12 @@ async def run(args) -> None:
     context_length = args.context_length or model.config.max_position_embeddings
     max_total_tokens = args.max_total_tokens or kv_pool_tokens(
         model, mesh, mem_fraction=args.mem_fraction_static, context_length=context_length,
-        fallback=args.max_running_requests * context_length, report=log.info)
+        fallback=args.max_running_requests * context_length, report=log.info,
+        reserved_bytes=extra_bytes_per_device(model, args.layer_layout))
     engine = engine_for(model, mesh, slots=args.max_running_requests, max_length=context_length,
                         max_total_tokens=max_total_tokens, page_size=args.page_size, seed=args.random_seed,
-                        chunked_prefill_size=args.chunked_prefill_size)
+                        chunked_prefill_size=args.chunked_prefill_size, layer_layout=args.layer_layout)
+    del model  # the engine holds what it serves: with per-layer weights, the stacked ones are freed here
     try:
         await serve(engine, host=args.host, port=args.port, model_path=args.model_path, eos_token_ids=eos,
                     load_weights=load_weights, tp_size=args.tp_size, port_file=args.port_file,
@@ -85,7 +89,8 @@ def server_args(args, context_length: int) -> dict:
     return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path, "host": args.host,
             "port": args.port, "context_length": context_length, "max_running_requests": args.max_running_requests,
             "mem_fraction_static": args.mem_fraction_static, "page_size": args.page_size,
-            "chunked_prefill_size": args.chunked_prefill_size, "tp_size": args.tp_size,
+            "chunked_prefill_size": args.chunked_prefill_size, "layer_layout": args.layer_layout,
+            "tp_size": args.tp_size,
             "dp_size": args.dp_size, "random_seed": args.random_seed, "skip_tokenizer_init": args.skip_tokenizer_init,
             "enable_deterministic_inference": args.enable_deterministic_inference,
             "enable_metrics": args.enable_metrics, "served_model_name": args.served_model_name or args.model_path,
@@ -119,6 +124,9 @@ def parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--chunked-prefill-size", type=int, default=None,
                    help="prefill tokens per engine step: longer contexts are prefilled in chunks while others "
                         "decode (-1 or 0: off, the default)")
+    p.add_argument("--layer-layout", default=DEFAULT_LAYER_LAYOUT,
+                   help=f"how the engine holds the decoder layers' weights, one of {LAYER_LAYOUTS} (ours; "
+                        f"default %(default)s): per_layer runs the layers unrolled over per-layer arrays")
     p.add_argument("--tp-size", "--tp", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
                    help="devices one model is split over (tensor parallel)")
     p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1,
@@ -152,6 +160,8 @@ def check(args) -> list[str]:
             problems.append(f"{flag} must be >= {low}, got {value}")
     if args.chunked_prefill_size is not None and args.chunked_prefill_size < -1:
         problems.append(f"--chunked-prefill-size must be -1 or 0 (off) or >= 1, got {args.chunked_prefill_size}")
+    if args.layer_layout not in LAYER_LAYOUTS:
+        problems.append(f"--layer-layout must be one of {LAYER_LAYOUTS}, got {args.layer_layout!r}")
     if args.sampling_defaults != "openai":
         problems.append(f"--sampling-defaults {args.sampling_defaults}: only 'openai' is supported (a request's "
                         f"omitted settings get neutral defaults; generation_config.json's are not read)")

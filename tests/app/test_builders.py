@@ -206,6 +206,23 @@ def test_the_engine_pool_follows_mem_fraction_static_unless_max_total_tokens_is_
         builders.make_engine(_config(**{**small, "rollout.engine.slots": 1 << 30}), model, None)
 
 
+def test_the_layer_layout_reaches_the_engine_and_the_local_servers():
+    """rollout.engine.layer_layout: the in-process engine is built with it, and servers started for
+    rollout.local_servers get `--layer-layout` (only where it is not the default)."""
+    from flax import nnx
+
+    from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
+
+    model = Qwen3(Qwen3Config.tiny(), rngs=nnx.Rngs(0))
+    config = _config(**{"rollout.engine.slots": 2, "rollout.engine.max_length": 64,
+                        "rollout.engine.layer_layout": "per_layer"})
+    engine = builders.make_engine(config, model, None)
+    engine.close()
+    assert engine.layer_layout == "per_layer" and engine.extra_weight_bytes > 0
+    assert builders.local_server_flags(config.rollout.engine)[-2:] == ["--layer-layout", "per_layer"]
+    assert "--layer-layout" not in builders.local_server_flags(_config().rollout.engine)
+
+
 def test_an_hf_tokenizer_with_nothing_to_load_is_a_config_error(tmp_path):
     """Stage 3 names only train.init_from; a directory that exists (what validation checks) but holds
     no run gives one error naming the field, not a traceback from the tokenizer loader."""

@@ -216,6 +216,29 @@ def test_pause_retract_recomputes_on_continue_and_reports_the_retraction(server)
     assert retracted.finish_reason == "length" and retracted.token_ids == expected.token_ids
 
 
+def test_a_per_layer_server_matches_the_full_forward_and_takes_disk_updates(tmp_path):
+    """`--layer-layout per_layer`: reported in /get_server_info; greedy tokens and log-probs of the
+    full forward; a disk update reaches the per-layer weights."""
+    original, other = Qwen3(CONFIG, rngs=nnx.Rngs(0)), Qwen3(CONFIG, rngs=nnx.Rngs(1))
+    prompt = _prompt(11, 9)
+
+    async def run(url):
+        async with SGLangGenerator(url) as gen:
+            info = await gen.server_info()
+            before = await gen.generate(prompt, GREEDY)
+            await sync_weights_via_disk(other, [gen], tmp_path / "weights", version=3, mode="wait")
+            return info, before, await gen.generate(prompt, GREEDY)
+
+    with LocalServer("tiny", slots=SLOTS, max_length=128, page_size=PAGE, seed=0,
+                     extra_args=("--layer-layout", "per_layer")) as s:
+        info, before, after = asyncio.run(run(s.url))
+    assert info["layer_layout"] == "per_layer"
+    tokens, logprobs = _reference(original, prompt, 6)
+    assert before.token_ids == tokens
+    np.testing.assert_allclose(before.logprobs, logprobs, atol=1e-5)
+    assert after.token_ids == _reference(other, prompt, 6)[0] != tokens and after.weight_version == 3
+
+
 def test_weight_sync_via_disk(server, tmp_path):
     """Abort mode: a running request returns partial output; new outputs come from the new weights."""
     original = Qwen3(CONFIG, rngs=nnx.Rngs(0))

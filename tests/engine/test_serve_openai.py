@@ -329,7 +329,8 @@ def test_bad_flags_and_tokenizers_exit_2_without_a_traceback(tmp_path, capsys):
     for argv, message in [(["--model-path", str(no_tokenizer)], "no tokenizer.json"),
                           (["--model-path", "tiny", "--dp-size", "2"], "--dp-size 2"),
                           (["--model", "tiny", "--mem-fraction-static", "1.5"], "--mem-fraction-static"),
-                          (["--model", "tiny", "--chunked-prefill-size", "-2"], "--chunked-prefill-size")]:
+                          (["--model", "tiny", "--chunked-prefill-size", "-2"], "--chunked-prefill-size"),
+                          (["--model", "tiny", "--layer-layout", "unrolled"], "--layer-layout must be one of")]:
         with pytest.raises(SystemExit) as exit_info:
             serve.main(argv)
         err = capsys.readouterr().err
