@@ -12,7 +12,9 @@ Prints:
 - Hugging Face transformers `generate` (PyTorch, same config, random weights, greedy, same batch,
   prompt and lengths) measured in the same run, in its own process before ours so that it has the
   whole device, unless --no-hf.
---profile DIR writes a profiler trace of the timed engine run.
+--profile DIR writes a profiler trace of the timed engine run. `--layer-layout per_layer` runs the
+engine with each layer's weights as arrays of their own (`rstar_jax.engine.settings`); the JSON's name
+then carries the layout.
 With `--group G` the prompts come in groups of G identical ones (GRPO's 2G rollouts of one prompt),
 and the same run also times an engine without prefix sharing: the prefill each engine computed and
 the speed-up sharing gives.
@@ -20,6 +22,8 @@ the speed-up sharing gives.
     python benchmarks/decode_throughput.py --preset qwen3-1.7b --batch 64 --prompt 512 --new 256 --dtype bfloat16  # GPU
     python benchmarks/decode_throughput.py --preset tiny --batch 64                          # CPU
     python benchmarks/decode_throughput.py --preset tiny --batch 64 --group 32 --prompt 1024 --new 16 --no-hf
+    python benchmarks/decode_throughput.py --preset qwen3-1.7b --batch 64 --prompt 512 --new 256 --dtype bfloat16 \
+        --no-hf --layer-layout per_layer                                                   # GPU, per-layer weights
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from flax import nnx  # noqa: E402
 
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 from rstar_jax.engine.jax_engine import JaxEngine  # noqa: E402
+from rstar_jax.engine.settings import DEFAULT_LAYER_LAYOUT, LAYER_LAYOUTS  # noqa: E402
 from rstar_jax.rollout.protocol import SamplingParams  # noqa: E402
 
 from ceilings import copy_bandwidth, hf_peer_config, run_peer  # noqa: E402 (benchmarks/ceilings.py)
@@ -116,6 +121,8 @@ def main() -> None:
     parser.add_argument("--no-hf", action="store_true")
     parser.add_argument("--group", type=int, default=1, help="identical prompts per group (GRPO's 2G rollouts); "
                                                              "> 1 also times an engine without prefix sharing")
+    parser.add_argument("--layer-layout", default=DEFAULT_LAYER_LAYOUT, choices=LAYER_LAYOUTS,
+                        help="how the engine holds the layer weights (default %(default)s)")
     parser.add_argument("--profile", metavar="DIR", help="write a profiler trace of the timed engine run to DIR")
     parser.add_argument("--only", choices=("ours", "peer"), help="run one side only (peer: HF generate)")
     parser.add_argument("--peer-json", help=argparse.SUPPRESS)  # where `--only peer` writes its figures
@@ -144,7 +151,8 @@ def main() -> None:
     buckets = (args.prompt,) if args.group == 1 else tuple(b for b in (16, 64, 256) if b < args.prompt) + (args.prompt,)
 
     def timed(profile: str | None = None, **options) -> tuple[float, JaxEngine]:
-        engine = JaxEngine(model, slots=args.batch, max_length=max_length, prefill_buckets=buckets, **options)
+        engine = JaxEngine(model, slots=args.batch, max_length=max_length, prefill_buckets=buckets,
+                           layer_layout=args.layer_layout, **options)
         try:
             run_engine(engine, prompts.tolist(), args.new)  # compile
             engine.prompt_tokens = engine.cached_tokens = engine.shared_tokens = engine.shared_pages = 0
@@ -166,7 +174,7 @@ def main() -> None:
     kv_bytes = 2 * config.num_layers * args.batch * max_length * config.num_kv_heads * config.head_dim * itemsize
     roofline = args.batch * bandwidth / (weight_bytes + kv_bytes)
     print(f"device: {jax.devices()[0].device_kind}; preset {args.preset} ({config.num_params / 1e6:.1f}M params, "
-          f"{args.dtype}); batch {args.batch}, prompt {args.prompt}, new {args.new}")
+          f"{args.dtype}); batch {args.batch}, prompt {args.prompt}, new {args.new}; layer layout {args.layer_layout}")
     compiles = COMPILES.count
     print(f"JaxEngine:        {ours:10.0f} tokens/s ({elapsed:.2f} s; {compiles} compilations in the timed run"
           f"{'' if not compiles else ': the figure includes compile time'})")
@@ -187,7 +195,8 @@ def main() -> None:
         print(f"HF generate:      {rate:10.0f} tokens/s ({hf['seconds']:.2f} s; torch {hf['torch']}) "
               f"-> JaxEngine / HF = {ours / rate:.2f}x")
     if os.environ.get("OUT"):
-        name = f"decode_{args.preset}_B{args.batch}.json"
+        layout = "" if args.layer_layout == DEFAULT_LAYER_LAYOUT else f"_{args.layer_layout}"
+        name = f"decode_{args.preset}_B{args.batch}{layout}.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(result, f, indent=2)
 

@@ -24,6 +24,17 @@
 #                                            # then decode alone under XLA:GPU flag variants, alternately:
 #                                            # dynamic-slice fusion (cuBLAS reads each layer's weights
 #                                            # in place of the scan's per-layer copies), Triton GEMMs off
+#   bash benchmarks/gpu_suite.sh --layer-layout # instead: the engine's two layer layouts
+#                                            # (rollout.engine.layer_layout), alternately: decode for
+#                                            # Qwen3-1.7B at batch 64, tokens/s and % of roofline, with the
+#                                            # stacked weights' scan and with per-layer weights unrolled;
+#                                            # then both layouts' compile seconds and counts, step time,
+#                                            # weight-sync cost and the decode program's dynamic slices
+#                                            # (benchmarks/engine_layer_layout.py). The lease's call:
+#                                            #   run(command="bash benchmarks/gpu_suite.sh --layer-layout",
+#                                            #       carry=[".whl"], timeout_s=600)
+#                                            # after `bash benchmarks/gpu_suite.sh --prepare` here; check it
+#                                            # first with `bash benchmarks/gpu_suite.sh --layer-layout --smoke`
 #   bash benchmarks/gpu_suite.sh --smoke     # CPU-sized shapes, to check the suite itself anywhere
 #
 # Each part has its own time limit inside an overall deadline (GPU_SUITE_SECONDS, default 570 s),
@@ -55,7 +66,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
     exit 0
 fi
 
-SMOKE=0 PROFILE=0 SWEEP=0 ASYNC=0 DECODE_ONLY=0 DECODE_XLA=0
+SMOKE=0 PROFILE=0 SWEEP=0 ASYNC=0 DECODE_ONLY=0 DECODE_XLA=0 LAYER_LAYOUT=0
 for arg in "$@"; do
     case "$arg" in
         --smoke) SMOKE=1 ;;
@@ -64,7 +75,8 @@ for arg in "$@"; do
         --async) ASYNC=1 ;;
         --decode) DECODE_ONLY=1 ;;
         --decode-xla) DECODE_XLA=1 ;;
-        *) echo "gpu_suite.sh: unknown argument $arg (--prepare, --smoke, --profile, --sweep, --async, --decode, --decode-xla)" >&2; exit 2 ;;
+        --layer-layout) LAYER_LAYOUT=1 ;;
+        *) echo "gpu_suite.sh: unknown argument $arg (--prepare, --smoke, --profile, --sweep, --async, --decode, --decode-xla, --layer-layout)" >&2; exit 2 ;;
     esac
 done
 
@@ -103,10 +115,12 @@ if (( SMOKE )); then
     TRAIN=(--preset small --batch 4 --length 128 --steps 2)
     DECODE=(--preset tiny --batch 8 --prompt 32 --new 16)
     HEAD=(--vocab 8192 --length 1024 --hidden 256)
+    LAYOUTS=(--preset tiny --layers 2,4 --batch 4 --prompt 16 --new 8 --repeats 1)
 else
     TRAIN=(--preset qwen3-1.7b --batch 4 --length 4096 --steps 5)
     DECODE=(--preset qwen3-1.7b --batch 64 --prompt 512 --new 256 --dtype bfloat16)
     HEAD=()
+    LAYOUTS=(--preset qwen3-1.7b --dtype bfloat16 --batch 64 --prompt 512 --new 64 --repeats 2)
 fi
 (( PROFILE )) && TRAIN+=(--profile /tmp/gpu_suite_profile_train) && DECODE+=(--profile /tmp/gpu_suite_profile_decode)
 
@@ -159,6 +173,28 @@ if (( DECODE_XLA )); then
         done
     done
     echo; grep -E "^(=== decode|JaxEngine:|limit:|xla:|pallas|pallas_vs_xla)" "$OUT/gpu_suite.log"
+    if (( ${#FAILED[@]} )); then echo "gpu_suite: FAILED parts: ${FAILED[*]}"; exit 1; fi
+    exit 0
+fi
+
+if (( LAYER_LAYOUT )); then
+    part environment 30 bash -c "nvidia-smi -L 2>/dev/null || echo 'no nvidia-smi'; git log -1 --oneline 2>/dev/null || true"
+    # The scan over stacked weights copies each layer's 7 weight matrices every decode step (19% of an
+    # H100's step at 72fbfd0); the per-layer layout has nothing to slice. Decode first, one run per
+    # layout per round, alternately, so that a drifting host weighs on both alike; then the layouts'
+    # compile cost (the unrolled programs compile longer) and the weight sync's per-layer cut.
+    for layout in stacked per_layer; do
+        part "decode, layer layout $layout (1)" 110 "$PY" benchmarks/decode_throughput.py "${DECODE[@]}" --no-hf \
+            --layer-layout "$layout"
+    done
+    part "layer layouts: compile, step, sync" 180 "$PY" benchmarks/engine_layer_layout.py "${LAYOUTS[@]}" \
+        --json "$OUT/engine_layer_layout.json"
+    for layout in stacked per_layer; do
+        part "decode, layer layout $layout (2)" 110 "$PY" benchmarks/decode_throughput.py "${DECODE[@]}" --no-hf \
+            --layer-layout "$layout"
+    done
+    echo; grep -E "^(=== decode|=== layer|device:|JaxEngine:|roofline:|engine layer|layers|per_layer_vs_stacked| +[0-9]+ (stacked|per_layer) )" \
+        "$OUT/gpu_suite.log"
     if (( ${#FAILED[@]} )); then echo "gpu_suite: FAILED parts: ${FAILED[*]}"; exit 1; fi
     exit 0
 fi
