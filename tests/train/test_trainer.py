@@ -47,9 +47,9 @@ class NoTools:
         return _Result()
 
 
-def _engine_trainer(scorer, temperature=1.0):
+def _engine_trainer(scorer, temperature=1.0, layer_layout="stacked"):
     model = Qwen3(CONFIG, rngs=nnx.Rngs(0))
-    engine = JaxEngine(model, slots=4, max_length=2048, prefill_buckets=(2048,), seed=0)
+    engine = JaxEngine(model, slots=4, max_length=2048, prefill_buckets=(2048,), seed=0, layer_layout=layer_layout)
     budget = 16
     settings = RLSettings(
         rollouts_per_prompt=4,
@@ -93,6 +93,24 @@ def test_step_updates_the_policy_and_syncs_the_engine():
         assert metrics["drift/logprob_abs_max"] < 1e-3
         assert metrics["rollout/retractions"] == 0  # a pool of slots x context never overflows
         assert metrics["rollout/num_trajectories"] == 8 and "rollout/truncation_ratio" in metrics
+    finally:
+        engine.close()
+
+
+def test_a_per_layer_engine_samples_from_each_pushed_policy():
+    """rollout.engine.layer_layout="per_layer": every push cuts the trained (stacked, donated by the
+    next update) parameters into the engine's own per-layer arrays; two steps in a row sample,
+    train and sync, and the second step's sampler log-probs match the first update's policy."""
+    trainer, engine = _engine_trainer(_alternating(), layer_layout="per_layer")
+    prompts = [("What is 1+1?", "2"), ("What is 2+2?", "4")]
+    try:
+        for step in (0, 1):
+            metrics, _ = asyncio.run(trainer.astep(prompts, step=step))
+            assert metrics["update/skipped"] == 0 and metrics["drift/logprob_abs_max"] < 1e-3
+            assert engine.version == trainer.weights_version == step + 1
+            for i, layer in enumerate(engine._weights.layers):
+                for name, w in layer.items():
+                    np.testing.assert_array_equal(np.asarray(w), np.asarray(getattr(trainer.model, name)[...][i]))
     finally:
         engine.close()
 
