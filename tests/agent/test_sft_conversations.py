@@ -193,7 +193,7 @@ def test_sft_files_take_their_template_and_skip_overlong_conversations(tmp_path,
     math = _write(tmp_path / "math.jsonl", [solved] * 4, "jsonl")
     config.update_from_flattened_dict({"data.synthetic.enabled": False, "sft.train_files": (str(general), str(math)),
                                        "sft.templates": ("qwen3", "rstar2"), "sft.max_length": 512,
-                                       "sft.batch_size": 2})
+                                       "sft.batch_size": 2, "sft.advance_exact": 0.0})  # no conversation held out
     validate(config, check_files=False)
     tok, template = builders.tokenizer(config), builders.template(config)
     batches = builders.sft_batches(config, tok, template, config.sft.train_files, None)
@@ -218,3 +218,23 @@ def test_sft_files_take_their_template_and_skip_overlong_conversations(tmp_path,
         with pytest.raises(ConfigError, match=message):
             validate(config, check_files=False)
     assert SftSkips().total == 0
+
+
+def test_a_stage_too_small_to_hold_out_its_measurement_is_refused(tmp_path):
+    """sft.advance_exact holds out the last sft.advance_probe conversations of each stage but the
+    last; a stage with no more than that is refused, naming the field and the file."""
+    from rstar_jax.errors import ConfigError
+
+    config = load_config_file(REPO_CONFIGS / "tiny.py")
+    solved = {"messages": [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "\\boxed{2}"}]}
+    first = _write(tmp_path / "first.jsonl", [solved] * 8, "jsonl")
+    last = _write(tmp_path / "last.jsonl", [solved] * 2, "jsonl")
+    config.update_from_flattened_dict({"data.synthetic.enabled": False, "sft.train_files": (str(first), str(last)),
+                                       "sft.batch_size": 2, "sft.advance_probe": 8})
+    tok, template = builders.tokenizer(config), builders.template(config)
+    with pytest.raises(ConfigError, match=r"config\.sft\.advance_probe: holds out 8 conversations of .*first\.jsonl "
+                                          r"to measure sft\.advance_exact on, but it has only 8 to train on"):
+        builders.sft_batches(config, tok, template, config.sft.train_files, None)
+    config.sft.advance_probe = 3
+    batches = builders.sft_batches(config, tok, template, config.sft.train_files, None)
+    assert batches.stage_sizes == (5, 2) and [len(h) for h in batches.held_out] == [3, 0]
