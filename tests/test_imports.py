@@ -44,7 +44,7 @@ ONLY_THROUGH = {
     ("engine", "rollout"): {"rstar_jax.rollout.protocol"},
     ("config", "agent"): {"rstar_jax.agent.conversation", "rstar_jax.agent.reward", "rstar_jax.agent.template"},
     ("config", "data"): {"rstar_jax.data.synthetic"},
-    ("config", "engine"): {"rstar_jax.engine.weight_transfer"},
+    ("config", "engine"): {"rstar_jax.engine.settings", "rstar_jax.engine.weight_transfer"},
     ("config", "model"): {"rstar_jax.model.config"},
     ("config", "rl"): {"rstar_jax.rl.roc", "rstar_jax.rl.settings"},
     ("config", "rollout"): {"rstar_jax.rollout.loop", "rstar_jax.rollout.scheduler", "rstar_jax.rollout.tool_env"},
