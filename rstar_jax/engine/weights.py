@@ -80,7 +80,7 @@ class EngineWeights:
         self._leaf_names = tuple(_name(path) for path, _ in named)
         self._layer_abstract = {_name(path): x for path, x in named}
         # What the programs' models hold in place of the stacked layer parameters: shapes, never read.
-        self._placeholders = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), layer_state)
+        self._layer_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), layer_state)
         self.num_layers = next(iter(self._layer_abstract.values())).shape[0]
         self._unstack = self._restack = None
         if layout == "per_layer":
@@ -98,7 +98,7 @@ class EngineWeights:
     def model(self, weights) -> tuple[Qwen3, tuple[dict[str, jax.Array], ...] | None]:
         """(model, layers) of `weights` inside a program: pass `layers` to the model's forwards."""
         if isinstance(weights, PerLayerWeights):
-            return nnx.merge(self.graphdef, self._placeholders, weights.rest), weights.layers
+            return nnx.merge(self.graphdef, self._layer_shapes, weights.rest), weights.layers
         return nnx.merge(self.graphdef, weights), None
 
     # -- the host's side ------------------------------------------------------------------------
