@@ -65,9 +65,9 @@ class MetricsWriter:
         self._jsonl = open(self.jsonl_path, "a", buffering=1) if jsonl else None
         self._tb = None
         if tensorboard:
-            from tensorboardX import SummaryWriter
+            from rstar_jax.train.tb_events import ScalarEventWriter
 
-            self._tb = SummaryWriter(logdir=str(self.run_dir / "tb"), flush_secs=10)
+            self._tb = ScalarEventWriter(self.run_dir / "tb")
         self.closed = False
 
     def write(self, step: int, metrics: Mapping[str, Any], *, prefix: str = "") -> dict:
@@ -83,11 +83,9 @@ class MetricsWriter:
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
         if self._tb is not None:
-            for name, value in record.items():
-                if name in ("step", "time"):
-                    continue
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(name, value, global_step=int(step))
+            self._tb.add_scalars(int(step), [(name, float(value)) for name, value in record.items()
+                                             if name not in ("step", "time") and isinstance(value, (int, float))
+                                             and not isinstance(value, bool)])
         return record
 
     def discard_after(self, step: int, *, where: Callable[[dict], bool] = lambda record: True) -> int:

@@ -20,24 +20,54 @@ from rstar_jax.train.metrics import (
 
 
 def _read_tb_scalars(logdir):
-    """Parses TFRecord-framed event files (u64 length, u32 crc, payload, u32 crc) by hand."""
+    """Parses TFRecord-framed event files (u64 length, u32 masked crc, payload, u32 masked crc) with
+    tensorboardX's CRC-32C and its `Event` protocol buffer (TensorBoard's schema): the checksums must
+    hold and the first event of each file must be its version record, as TensorBoard's reader wants."""
     import struct
 
     from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.record_writer import masked_crc32c
 
     out = {}
     files = sorted(logdir.glob("events.out.tfevents.*"))
     assert files, "no event file written"
     for path in files:
         data = path.read_bytes()
-        offset = 0
+        offset, events = 0, []
         while offset < len(data):
-            (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            event = Event.FromString(data[offset + 12:offset + 12 + length])
-            offset += 12 + length + 4
+            header = data[offset:offset + 8]
+            (length,) = struct.unpack("<Q", header)
+            assert struct.unpack("<I", data[offset + 8:offset + 12])[0] == masked_crc32c(header), path
+            payload = data[offset + 12:offset + 12 + length]
+            assert struct.unpack("<I", data[offset + 12 + length:offset + 16 + length])[0] == masked_crc32c(payload)
+            events.append(Event.FromString(payload))
+            offset += 16 + length
+        assert events and events[0].file_version == "brain.Event:2", path
+        for event in events[1:]:
+            assert event.wall_time > 1.7e9
             for value in event.summary.value:
                 out.setdefault(value.tag, []).append((event.step, value.simple_value))
     return out
+
+
+def test_event_records_match_tensorboardx_byte_for_byte():
+    """A scalar event as tensorboardX frames and serializes it (one value per event; its writer
+    also stamps the time) is byte-identical to ours, negative steps and large values included."""
+    from tensorboardX.proto.event_pb2 import Event
+    from tensorboardX.proto.summary_pb2 import Summary
+    from tensorboardX.record_writer import masked_crc32c as tbx_masked_crc32c
+
+    from rstar_jax.train.tb_events import event_bytes, masked_crc32c, record_bytes
+
+    for step, tag, value in ((0, "a", 0.0), (7, "eval/pass@1", 0.96875), (-3, "lr", 1e-6), (2**40, "x/y_z", 3e38)):
+        theirs = Event(wall_time=1796190000.25, step=step,
+                       summary=Summary(value=[Summary.Value(tag=tag, simple_value=value)])).SerializeToString()
+        assert event_bytes(1796190000.25, step, scalars=[(tag, value)]) == theirs
+    version = Event(wall_time=1.5, step=0, file_version="brain.Event:2").SerializeToString()
+    assert event_bytes(1.5, 0, file_version="brain.Event:2") == version
+    for payload in (b"", version, bytes(range(256)) * 3):
+        assert masked_crc32c(payload) == tbx_masked_crc32c(payload)
+    assert record_bytes(version)[12:-4] == version
 
 
 def test_writer_jsonl_tensorboard_and_close(tmp_path):
