@@ -22,7 +22,16 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")  # what a dtype may be named in
 # (recomputes the whole layer in the backward pass); "dots" / "dots_saveable" save every matmul
 # output; "dots_no_batch" / "dots_with_no_batch_dims_saveable" save only the weight matmuls (no batch
 # dimensions: projections and MLP, not attention scores), recomputing attention.
-REMAT_POLICY_NAMES = ("none", "full", "dots", "dots_saveable", "dots_no_batch", "dots_with_no_batch_dims_saveable")
+# The "save_*" / "offload_*" policies keep only activations the decoder layer names
+# (`jax.ad_checkpoint.checkpoint_name`, `qwen3.REMAT_NAMES`); the backward recomputes the rest:
+#   save_attention      attention's output (before o_proj)
+#   save_qkv_attention  the q/k/v projections' outputs (before q/k-norm and RoPE) and attention's output
+#   save_named          every named activation: q/k/v, attention's output, o_proj's output, the MLP's gate and up
+#   offload_mlp         q/k/v and attention's output on the device; o_proj's output and the MLP's gate and up
+#                       copied to pinned host memory (backends without one are refused)
+#   offload_named       every named activation copied to pinned host memory, none kept on the device
+REMAT_POLICY_NAMES = ("none", "full", "dots", "dots_saveable", "dots_no_batch", "dots_with_no_batch_dims_saveable",
+                      "save_attention", "save_qkv_attention", "save_named", "offload_mlp", "offload_named")
 ATTENTION_IMPLS = ("xla", "cudnn")
 
 MESH_AXES = ("data", "fsdp", "tensor")

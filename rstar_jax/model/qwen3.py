@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.typing import DTypeLike
 
 from rstar_jax.model.config import (
@@ -40,9 +41,28 @@ from rstar_jax.model.config import (
     Qwen3Config,
     dtype_name,
 )
+from rstar_jax.model.paged_attention import paged_decode_attention
 from rstar_jax.model.sharding import batch_axes, constrain, gather_axes, spec_axes, spec_entry, type_sharding
 
+# Single-token (decode) attention over the paged pool: `forward_with_paged_cache(decode_attention=)`.
+DECODE_ATTENTIONS = ("xla", "pallas")
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+# The decoder layer's activations tagged with `checkpoint_name`, which the "save_*" / "offload_*"
+# policies keep. The matmuls' outputs, not what the elementwise ops after them make: the backward
+# then recomputes only norms, RoPE and SiLU from them (o_proj's output: the residual the
+# post-attention norm reads).
+REMAT_NAMES = ("query_proj", "key_proj", "value_proj", "attention_out", "out_proj", "mlp_gate", "mlp_up")
+_QKV_ATTENTION = ("query_proj", "key_proj", "value_proj", "attention_out")
+_OFFLOADED = {"offload_mlp": ("out_proj", "mlp_gate", "mlp_up"), "offload_named": REMAT_NAMES}
+
+
+def _offload(name: str):
+    saved = tuple(n for n in REMAT_NAMES if n not in _OFFLOADED[name])
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=saved, names_which_can_be_offloaded=_OFFLOADED[name],
+        offload_src="device", offload_dst="pinned_host")
+
 
 # The jax.checkpoint policy of each remat policy name (`rstar_jax.model.config` describes them).
 REMAT_POLICIES = {
@@ -52,7 +72,24 @@ REMAT_POLICIES = {
     "dots_saveable": jax.checkpoint_policies.dots_saveable,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "save_attention": jax.checkpoint_policies.save_only_these_names("attention_out"),
+    "save_qkv_attention": jax.checkpoint_policies.save_only_these_names(*_QKV_ATTENTION),
+    "save_named": jax.checkpoint_policies.save_only_these_names(*REMAT_NAMES),
+    "offload_mlp": _offload("offload_mlp"),
+    "offload_named": _offload("offload_named"),
 }
+
+
+def check_remat_backend(policy: str) -> None:
+    """Refuses an offloading remat policy where the default backend's devices have no pinned host
+    memory to offload to (XLA would fail at compile time with a less telling message)."""
+    if policy not in _OFFLOADED:
+        return
+    device = jax.devices()[0]
+    kinds = {m.kind for m in device.addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise ValueError(f"Qwen3Config.remat_policy={policy!r} offloads to pinned host memory, which "
+                         f"{device.platform} devices lack (memory kinds: {sorted(kinds)}); use a 'save_*' policy")
 # The config checks names against the jax-free lists: a name there must have its dtype and policy here.
 if tuple(sorted(_DTYPES)) != DTYPE_NAMES or tuple(REMAT_POLICIES) != REMAT_POLICY_NAMES:
     raise ImportError("rstar_jax.model.qwen3: _DTYPES / REMAT_POLICIES disagree with "
@@ -62,7 +99,9 @@ if tuple(sorted(_DTYPES)) != DTYPE_NAMES or tuple(REMAT_POLICIES) != REMAT_POLIC
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PagedKVCache:
-    """A pool of fixed-size KV pages shared by all sequences: [layers, pages, page_size, kv_heads, head_dim].
+    """A pool of fixed-size KV pages shared by all sequences: [layers, pages, page_size, kv_heads, head_dim],
+    or with `heads_first` [kv_heads, layers, pages, page_size, head_dim], the layout the Pallas
+    paged-attention kernel reads (`rstar_jax.model.paged_attention`).
 
     A page table [batch, pages_per_sequence] maps row b's position p to page `table[b, p // page_size]`
     at offset `p % page_size`. Entries >= `num_pages` mark pages not allocated: writes there are
@@ -71,14 +110,15 @@ class PagedKVCache:
 
     k: jax.Array
     v: jax.Array
+    heads_first: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2 if self.heads_first else 1]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3 if self.heads_first else 2]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -273,9 +313,9 @@ class Qwen3(nnx.Module):
     def _qkv(self, p, x, positions):
         c = self.config
         dt = x.dtype
-        q = jnp.einsum("btd,dhk->bthk", x, p["q_proj"].astype(dt))
-        k = jnp.einsum("btd,dhk->bthk", x, p["k_proj"].astype(dt))
-        v = jnp.einsum("btd,dhk->bthk", x, p["v_proj"].astype(dt))
+        q = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, p["q_proj"].astype(dt)), "query_proj")
+        k = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, p["k_proj"].astype(dt)), "key_proj")
+        v = checkpoint_name(jnp.einsum("btd,dhk->bthk", x, p["v_proj"].astype(dt)), "value_proj")
         q = rope(rms_norm(q, p["q_norm"], c.rms_norm_eps), positions, c.rope_theta)
         k = rope(rms_norm(k, p["k_norm"], c.rms_norm_eps), positions, c.rope_theta)
         return self._constrain(q, "act_bthd"), k, v
@@ -285,12 +325,12 @@ class Qwen3(nnx.Module):
         dt = h.dtype
         with jax.named_scope("o_proj"):
             # Contracts the tensor-sharded heads: under Explicit axes the sum lands as the residual's.
-            h = h + jnp.einsum("bthk,hkd->btd", attn, p["o_proj"].astype(dt), out_sharding=type_sharding(h))
-            h = self._constrain(h, "act_btd")
+            out = jnp.einsum("bthk,hkd->btd", attn, p["o_proj"].astype(dt), out_sharding=type_sharding(h))
+            h = self._constrain(h + checkpoint_name(out, "out_proj"), "act_btd")
         with jax.named_scope("mlp"):
             x = rms_norm(h, p["post_attn_norm"], c.rms_norm_eps)
-            gate = jnp.einsum("btd,df->btf", x, p["gate_proj"].astype(dt))
-            up = jnp.einsum("btd,df->btf", x, p["up_proj"].astype(dt))
+            gate = checkpoint_name(jnp.einsum("btd,df->btf", x, p["gate_proj"].astype(dt)), "mlp_gate")
+            up = checkpoint_name(jnp.einsum("btd,df->btf", x, p["up_proj"].astype(dt)), "mlp_up")
             mlp = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, p["down_proj"].astype(dt),
                              out_sharding=type_sharding(h))
             return self._constrain(h + mlp, "act_btd")
@@ -301,6 +341,7 @@ class Qwen3(nnx.Module):
         """Final-norm hidden states [B, T, D] in the compute dtype. `layers`: the decoder layers'
         parameters as per-layer arrays (`unstack_layers`), used instead of the stacked ones."""
         c = self.config
+        check_remat_backend(c.remat_policy)
         b, t = input_ids.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -320,7 +361,7 @@ class Qwen3(nnx.Module):
                     attn = xla_attention(q, k, v, mask)
                 else:
                     attn = cudnn_attention(q, k, v, segment_ids)
-            return self._finish_layer(p, h, attn), None
+            return self._finish_layer(p, h, checkpoint_name(attn, "attention_out")), None
 
         policy = REMAT_POLICIES[c.remat_policy]
         if c.remat_policy != "none":
@@ -338,16 +379,22 @@ class Qwen3(nnx.Module):
         return self.logits_from_hidden(self.hidden_states(input_ids, positions, segment_ids))
 
     # -- paged KV-cache forward (prefill and decode) -------------------------------------------
-    def init_paged_cache(self, num_pages: int, page_size: int, dtype: DTypeLike | None = None) -> PagedKVCache:
-        """A zeroed page pool; `dtype` (a name or JAX/NumPy dtype) defaults to the compute dtype."""
+    def init_paged_cache(self, num_pages: int, page_size: int, dtype: DTypeLike | None = None, *,
+                         heads_first: bool = False) -> PagedKVCache:
+        """A zeroed page pool; `dtype` (a name or JAX/NumPy dtype) defaults to the compute dtype.
+        `heads_first`: the Pallas decode kernel's layout (see PagedKVCache)."""
         c = self.config
         dtype = _DTYPES[dtype_name(c.dtype if dtype is None else dtype, "init_paged_cache.dtype")]
-        shape = (c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
-        return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
+        if heads_first:
+            shape = (c.num_kv_heads, c.num_layers, num_pages, page_size, c.head_dim)
+        else:
+            shape = (c.num_layers, num_pages, page_size, c.num_kv_heads, c.head_dim)
+        return PagedKVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), heads_first=heads_first)
 
     def forward_with_paged_cache(self, input_ids, positions, cache: PagedKVCache, page_table: jax.Array,
                                  logits_at: jax.Array | None = None, *,
-                                 layers: Sequence[dict[str, jax.Array]] | None = None
+                                 layers: Sequence[dict[str, jax.Array]] | None = None,
+                                 decode_attention: str = "xla", mesh: jax.sharding.Mesh | None = None
                                  ) -> tuple[jax.Array, PagedKVCache]:
         """Writes the new tokens' K/V at their absolute positions and attends to positions <= each
         token's own, over a shared page pool; page_table [B, pages_per_sequence] (see PagedKVCache).
@@ -360,8 +407,20 @@ class Qwen3(nnx.Module):
         layers' parameters as per-layer arrays (`unstack_layers`), run unrolled instead of the scan
         over the stacked ones; the pools stay stacked, each layer writing and reading its own slice
         of them in place.
+
+        `decode_attention`: "xla" (the gathered pages' multiply-reduce) or "pallas" (the Pallas GPU
+        kernel over the pages where they lie, `rstar_jax.model.paged_attention`; it needs a
+        heads-first cache) for single-token steps; longer steps always take the XLA path. `mesh`:
+        the cache's, for the kernel's split over the "tensor" axis.
         """
         c = self.config
+        if decode_attention not in DECODE_ATTENTIONS:
+            raise ValueError(f"decode_attention must be one of {DECODE_ATTENTIONS}, got {decode_attention!r}")
+        if decode_attention == "pallas" and not cache.heads_first:
+            raise ValueError("decode_attention 'pallas' reads a heads-first KV pool (init_paged_cache(..., "
+                             "heads_first=True)); this one is [layers, pages, page_size, kv_heads, head_dim]")
+        kernel = decode_attention == "pallas" and input_ids.shape[1] == 1
+        heads_first = cache.heads_first
         b, pages_per_sequence = page_table.shape
         page_size = cache.page_size
         span = pages_per_sequence * page_size
@@ -382,12 +441,26 @@ class Qwen3(nnx.Module):
             x = rms_norm(h, p["input_norm"], c.rms_norm_eps)
             q, k, v = self._qkv(p, x, positions)
             with jax.named_scope("kv_write"):
-                k_pool = k_pool.at[index, write_page, offset].set(k.astype(k_pool.dtype), mode="drop")
-                v_pool = v_pool.at[index, write_page, offset].set(v.astype(v_pool.dtype), mode="drop")
+                if heads_first:  # [Hkv, B, T, hd] at [:, layer, page, offset]: only the new tokens move
+                    k_new, v_new = (jnp.transpose(x, (2, 0, 1, 3)) for x in (k, v))
+                    k_pool = k_pool.at[:, index, write_page, offset].set(k_new.astype(k_pool.dtype), mode="drop")
+                    v_pool = v_pool.at[:, index, write_page, offset].set(v_new.astype(v_pool.dtype), mode="drop")
+                else:
+                    k_pool = k_pool.at[index, write_page, offset].set(k.astype(k_pool.dtype), mode="drop")
+                    v_pool = v_pool.at[index, write_page, offset].set(v.astype(v_pool.dtype), mode="drop")
+            if kernel:
+                with jax.named_scope("attention"):
+                    attn = paged_decode_attention(q[:, 0], k_pool, v_pool, index, page_table, positions[:, 0] + 1,
+                                                  mesh=mesh)[:, None]
+                return (self._finish_layer(p, h, attn), k_pool, v_pool), None
             with jax.named_scope("kv_gather"):
                 # Unallocated entries are clipped onto a real page; the mask hides what they read.
-                k_seq = k_pool.at[index, page_table].get(mode="clip").reshape(b, span, *k_pool.shape[3:])
-                v_seq = v_pool.at[index, page_table].get(mode="clip").reshape(b, span, *v_pool.shape[3:])
+                if heads_first:  # [Hkv, B, pages, page_size, hd] -> [B, span, Hkv, hd] (prefill's path)
+                    k_seq, v_seq = (jnp.transpose(pool.at[:, index, page_table].get(mode="clip"), (1, 2, 3, 0, 4))
+                                    .reshape(b, span, pool.shape[0], pool.shape[-1]) for pool in (k_pool, v_pool))
+                else:
+                    k_seq = k_pool.at[index, page_table].get(mode="clip").reshape(b, span, *k_pool.shape[3:])
+                    v_seq = v_pool.at[index, page_table].get(mode="clip").reshape(b, span, *v_pool.shape[3:])
             with jax.named_scope("attention"):
                 attend = single_query_attention if input_ids.shape[1] == 1 else xla_attention
                 attn = attend(q, k_seq.astype(q.dtype), v_seq.astype(q.dtype), mask)
@@ -397,7 +470,7 @@ class Qwen3(nnx.Module):
         if logits_at is not None:
             h = jnp.take_along_axis(h, logits_at[:, None, None], axis=1)
         h = rms_norm(h, self.final_norm[...], c.rms_norm_eps)
-        return self.logits_from_hidden(h), PagedKVCache(k=k_pool, v=v_pool)
+        return self.logits_from_hidden(h), PagedKVCache(k=k_pool, v=v_pool, heads_first=heads_first)
 
 
 def param_logical_axes(model: Qwen3) -> dict[str, tuple[str, ...]]:
@@ -442,6 +515,7 @@ def sequence_positions(segment_ids: jax.Array) -> jax.Array:
 
 __all__: Sequence[str] = (
     "Qwen3Config", "Qwen3", "PagedKVCache", "abstract_model", "param_logical_axes", "sequence_positions",
-    "unstack_layers",
-    "dtype_name", "DTYPE_NAMES", "REMAT_POLICIES", "REMAT_POLICY_NAMES", "ATTENTION_IMPLS",
+    "unstack_layers", "DECODE_ATTENTIONS",
+    "dtype_name", "DTYPE_NAMES", "REMAT_NAMES", "REMAT_POLICIES", "REMAT_POLICY_NAMES", "ATTENTION_IMPLS",
+    "check_remat_backend",
 )
