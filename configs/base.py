@@ -151,6 +151,10 @@ def get_config() -> ml_collections.ConfigDict:
     # arrays, cut from the trainer's at every weight sync, and the layers unrolled: more compile time
     # and one more copy of the layer weights in memory). Also `python -m rstar_jax.serve --layer-layout`.
     c.rollout.engine.layer_layout = "stacked"
+    # How decode steps attend over the KV pool: "xla" (each row's pages gathered, then reduced) or
+    # "pallas" (the Pallas GPU paged-attention kernel over a pool laid out heads first; on a non-GPU
+    # backend it runs interpreted, slowly: for tests). Also `python -m rstar_jax.serve --decode-attention`.
+    c.rollout.engine.decode_attention = "xla"
 
     c.rl = ml_collections.ConfigDict()
     c.rl.group_size = 16  # spec §5.3: RoC keeps 16 of 32

@@ -4,7 +4,7 @@ evaluation use of it) over `JaxEngine`; routes and semantics in `rstar_jax.engin
     python -m rstar_jax.serve --model-path PATH_OR_PRESET [--tokenizer-path DIR] [--host 127.0.0.1]
         [--port 30000] [--context-length N] [--max-running-requests N] [--max-total-tokens N]
         [--mem-fraction-static F] [--page-size N] [--chunked-prefill-size N] [--layer-layout L]
-        [--tp-size N] [--dp-size 1]
+        [--decode-attention A] [--tp-size N] [--dp-size 1]
         [--random-seed S] [--served-model-name NAME] [--skip-tokenizer-init] [--enable-deterministic-inference]
         [--enable-metrics] [--sampling-defaults openai] [--log-level LEVEL] [--port-file F]
 
@@ -26,6 +26,10 @@ The flags are SGLang's, with its meanings:
 - `--layer-layout` (ours): how the engine holds the decoder layers' weights: `stacked` (the default:
   the programs scan over [layers, ...] arrays) or `per_layer` (each layer's weights their own arrays,
   the layers unrolled: no per-step weight slices, longer compiles; see `rstar_jax.engine.settings`).
+- `--decode-attention` (ours): how decode steps attend over the KV pool: `xla` (the default: the
+  rows' pages gathered, then reduced) or `pallas` (the Pallas GPU paged-attention kernel over a
+  heads-first pool, per device under `--tp-size`; interpreted, slowly, on CPU; shapes it cannot serve
+  are refused; see `rstar_jax.engine.settings`).
 - `--enable-deterministic-inference`: honour `sampling_seed` (OpenAI `seed`); without it the seed
   is ignored, as SGLang does (the engine's sampling is deterministic per seed and position either
   way). `--random-seed` seeds the unseeded draws.

@@ -28,7 +28,7 @@ from rstar_jax.model.sharding import set_activation_shardings, state_shardings
 from rstar_jax.parallel import make_mesh
 from rstar_jax.parallel.memory import GIB, memory_plan
 from rstar_jax.rl.loss import LossConfig
-from rstar_jax.engine.jax_engine import decode_step, pool_sharding, prefill_step
+from rstar_jax.engine.jax_engine import check_decode_attention, decode_step, pool_sharding, prefill_step
 from rstar_jax.engine.weights import EngineWeights
 from rstar_jax.app import builders
 from rstar_jax.train.batching import TrainingSequence, make_micro_batches
@@ -187,8 +187,8 @@ def prefill_length(engine_config) -> int:
 def compile_engine(config, tensor: int) -> list[CompiledStep]:
     """The in-process engine's prefill (a full prefill batch of the longest row it runs,
     `prefill_length`) and decode (every slot) at `tensor`-way tensor parallelism over the first
-    `tensor` devices, with `rollout.engine`'s slots, KV page pool and layer layout: what one generation
-    replica of that size holds."""
+    `tensor` devices, with `rollout.engine`'s slots, KV page pool, layer layout and decode attention:
+    what one generation replica of that size holds."""
     e = config.rollout.engine
     mesh = make_mesh(data=1, fsdp=1, tensor=tensor, devices=jax.devices()[:tensor])
     (graphdef, state), model = _abstract_model(config, mesh)
@@ -196,8 +196,9 @@ def compile_engine(config, tensor: int) -> list[CompiledStep]:
     weights = layout.abstract_weights()
     total = e.max_total_tokens or e.slots * e.max_length
     num_pages, span = -(-max(total, e.max_length) // e.page_size), -(-e.max_length // e.page_size)
-    cache = jax.eval_shape(lambda: model.init_paged_cache(num_pages, e.page_size))
-    pool = pool_sharding(mesh, model.config.num_kv_heads)
+    heads_first = e.decode_attention == "pallas"  # the pool's layout follows the decode attention, as in JaxEngine
+    cache = jax.eval_shape(lambda: model.init_paged_cache(num_pages, e.page_size, heads_first=heads_first))
+    pool = pool_sharding(mesh, model.config.num_kv_heads, heads_first)
     cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=pool), cache)
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     key = jax.eval_shape(lambda: jax.random.key(0))
@@ -218,8 +219,10 @@ def compile_engine(config, tensor: int) -> list[CompiledStep]:
                                            ((slots,), jnp.bool_), ((slots,), jnp.int32)), key, step, *sampling(slots)]
     # The RL setting: full-vocabulary sampling, so decode has no top-p / top-k sort.
     prefill = functools.partial(prefill_step, layout, False)
-    decode = functools.partial(decode_step, layout, False, False)
-    where = "" if e.layer_layout == "stacked" else f", {e.layer_layout}"
+    check_decode_attention(e.decode_attention, model.config, e.page_size, model.config.dtype, mesh)
+    decode = functools.partial(decode_step, layout, False, False, attention=e.decode_attention, mesh=mesh)
+    where = "".join(f", {v}" for v, default in ((e.layer_layout, "stacked"), (e.decode_attention, "xla"))
+                    if v != default)
     return [_measure(name, jax.jit(kernel, donate_argnums=(1,)), args, data=cache)
             for name, kernel, args in ((f"engine prefill (tp {tensor}{where})", prefill, prefill_args),
                                        (f"engine decode (tp {tensor}{where})", decode, decode_args))]

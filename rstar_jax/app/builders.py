@@ -50,8 +50,8 @@ from rstar_jax.evaluation.questions import Question, load_questions
 from rstar_jax.model.hf import load_pretrained, save_pretrained
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
 from rstar_jax.parallel import MESH_AXES, create_sharded_model, make_mesh, multihost, shard_model
-from rstar_jax.engine.jax_engine import JaxEngine
-from rstar_jax.engine.settings import DEFAULT_LAYER_LAYOUT
+from rstar_jax.engine.jax_engine import JaxEngine, check_decode_attention
+from rstar_jax.engine.settings import DEFAULT_DECODE_ATTENTION, DEFAULT_LAYER_LAYOUT
 from rstar_jax.engine.weights import extra_bytes_per_device
 from rstar_jax.engine.local_server import LocalServer
 from rstar_jax.rollout.loop import Scorer, ToolExecutor
@@ -183,16 +183,18 @@ def serving_policy(model: str, *, tp_size: int = 1, seed: int = 0):
 
 def engine_for(model: Qwen3, mesh: Mesh | None, *, slots: int, max_length: int, max_total_tokens: int | None = None,
                page_size: int = 16, seed: int = 0, chunked_prefill_size: int | None = None,
-               layer_layout: str = DEFAULT_LAYER_LAYOUT) -> JaxEngine:
+               layer_layout: str = DEFAULT_LAYER_LAYOUT, decode_attention: str = DEFAULT_DECODE_ATTENTION) -> JaxEngine:
     """The one JaxEngine construction: on the policy's mesh, prefill compiled per prompt bucket.
     chunked_prefill_size: None, 0 or -1 (SGLang's "off") for no chunking. layer_layout: how the
-    engine holds the layer weights (`rstar_jax.engine.settings`)."""
+    engine holds the layer weights; decode_attention: how decode steps attend over the KV pool
+    (both `rstar_jax.engine.settings`)."""
     if max_total_tokens is not None:
         max_total_tokens = max(max_total_tokens, max_length)  # one request always fits
     buckets = tuple(b for b in PREFILL_BUCKETS if b < max_length)
     return JaxEngine(model, slots=slots, max_length=max_length, max_total_tokens=max_total_tokens,
                      page_size=page_size, prefill_buckets=buckets, seed=seed, mesh=mesh,
-                     chunked_prefill_size=max(chunked_prefill_size or 0, 0) or None, layer_layout=layer_layout)
+                     chunked_prefill_size=max(chunked_prefill_size or 0, 0) or None, layer_layout=layer_layout,
+                     decode_attention=decode_attention)
 
 
 def engine_policy(config, model: Qwen3, mesh: Mesh) -> tuple[Qwen3, Mesh]:
@@ -216,6 +218,10 @@ def make_engine(config, model: Qwen3, mesh: Mesh | None, *, max_length: int | No
     if mesh is not None:
         model, mesh = engine_policy(config, model, mesh)
     max_length = max_length or e.max_length
+    try:  # before any pool sizing: shapes the Pallas kernel cannot serve are the config's to change
+        check_decode_attention(e.decode_attention, model.config, e.page_size, model.config.dtype, mesh)
+    except ValueError as err:
+        raise ConfigError(f"config.rollout.engine.decode_attention: {err}") from None
     pool = e.max_total_tokens or None
     if pool is None and e.mem_fraction_static > 0:
         pool = kv_pool_tokens(model, mesh, mem_fraction=e.mem_fraction_static, context_length=max_length,
@@ -224,7 +230,7 @@ def make_engine(config, model: Qwen3, mesh: Mesh | None, *, max_length: int | No
                               reserved_bytes=extra_bytes_per_device(model, e.layer_layout))
     return engine_for(model, mesh, slots=e.slots, max_length=max_length, max_total_tokens=pool,
                       page_size=e.page_size, seed=config.seed, chunked_prefill_size=e.chunked_prefill_size,
-                      layer_layout=e.layer_layout)
+                      layer_layout=e.layer_layout, decode_attention=e.decode_attention)
 
 
 # -- protocol and data -----------------------------------------------------------------------------
@@ -433,6 +439,8 @@ def local_server_flags(engine) -> list[str]:
         flags += ["--mem-fraction-static", str(engine.mem_fraction_static)]
     if engine.layer_layout != DEFAULT_LAYER_LAYOUT:  # ours, not SGLang's
         flags += ["--layer-layout", engine.layer_layout]
+    if engine.decode_attention != DEFAULT_DECODE_ATTENTION:  # ours too
+        flags += ["--decode-attention", engine.decode_attention]
     return flags
 
 

@@ -15,7 +15,7 @@ import pathlib
 
 from rstar_jax.agent.tokenizer import HFTokenizer
 from rstar_jax.errors import UserError
-from rstar_jax.engine.settings import DEFAULT_LAYER_LAYOUT, LAYER_LAYOUTS
+from rstar_jax.engine.settings import DECODE_ATTENTIONS, DEFAULT_DECODE_ATTENTION, DEFAULT_LAYER_LAYOUT, LAYER_LAYOUTS
 from rstar_jax.engine.textgen import JinjaChatTemplate
 from rstar_jax.app.kv_pool import kv_pool_tokens
 
@@ -71,7 +71,8 @@ async def run(args) -> None:
         reserved_bytes=extra_bytes_per_device(model, args.layer_layout))
     engine = engine_for(model, mesh, slots=args.max_running_requests, max_length=context_length,
                         max_total_tokens=max_total_tokens, page_size=args.page_size, seed=args.random_seed,
-                        chunked_prefill_size=args.chunked_prefill_size, layer_layout=args.layer_layout)
+                        chunked_prefill_size=args.chunked_prefill_size, layer_layout=args.layer_layout,
+                        decode_attention=args.decode_attention)
     del model  # the engine holds what it serves: with per-layer weights, the stacked ones are freed here
     try:
         await serve(engine, host=args.host, port=args.port, model_path=args.model_path, eos_token_ids=eos,
@@ -90,6 +91,7 @@ def server_args(args, context_length: int) -> dict:
             "port": args.port, "context_length": context_length, "max_running_requests": args.max_running_requests,
             "mem_fraction_static": args.mem_fraction_static, "page_size": args.page_size,
             "chunked_prefill_size": args.chunked_prefill_size, "layer_layout": args.layer_layout,
+            "decode_attention": args.decode_attention,
             "tp_size": args.tp_size,
             "dp_size": args.dp_size, "random_seed": args.random_seed, "skip_tokenizer_init": args.skip_tokenizer_init,
             "enable_deterministic_inference": args.enable_deterministic_inference,
@@ -127,6 +129,10 @@ def parser(description: str = "") -> argparse.ArgumentParser:
     p.add_argument("--layer-layout", default=DEFAULT_LAYER_LAYOUT,
                    help=f"how the engine holds the decoder layers' weights, one of {LAYER_LAYOUTS} (ours; "
                         f"default %(default)s): per_layer runs the layers unrolled over per-layer arrays")
+    p.add_argument("--decode-attention", default=DEFAULT_DECODE_ATTENTION,
+                   help=f"how decode steps attend over the KV pool, one of {DECODE_ATTENTIONS} (ours; default "
+                        f"%(default)s): pallas runs the Pallas GPU paged-attention kernel over a heads-first pool "
+                        f"(interpreted, slowly, on other backends)")
     p.add_argument("--tp-size", "--tp", "--tensor-parallel-size", dest="tp_size", type=int, default=1,
                    help="devices one model is split over (tensor parallel)")
     p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1,
@@ -162,6 +168,8 @@ def check(args) -> list[str]:
         problems.append(f"--chunked-prefill-size must be -1 or 0 (off) or >= 1, got {args.chunked_prefill_size}")
     if args.layer_layout not in LAYER_LAYOUTS:
         problems.append(f"--layer-layout must be one of {LAYER_LAYOUTS}, got {args.layer_layout!r}")
+    if args.decode_attention not in DECODE_ATTENTIONS:
+        problems.append(f"--decode-attention must be one of {DECODE_ATTENTIONS}, got {args.decode_attention!r}")
     if args.sampling_defaults != "openai":
         problems.append(f"--sampling-defaults {args.sampling_defaults}: only 'openai' is supported (a request's "
                         f"omitted settings get neutral defaults; generation_config.json's are not read)")

@@ -45,7 +45,7 @@ from rstar_jax.agent.reward import SCORER_MODES
 from rstar_jax.agent.template import TEMPLATE_STYLES
 from rstar_jax.config import resolve
 from rstar_jax.data.synthetic import BEHAVIOURS, FIX_BUGS, GENERATORS
-from rstar_jax.engine.settings import LAYER_LAYOUTS
+from rstar_jax.engine.settings import DECODE_ATTENTIONS, LAYER_LAYOUTS
 from rstar_jax.engine.weight_transfer import BACKENDS as WEIGHT_SYNC_BACKENDS
 from rstar_jax.errors import ConfigError, UserError  # noqa: F401  (re-exported)
 from rstar_jax.model.config import DTYPE_NAMES, MESH_AXES
@@ -537,6 +537,7 @@ def _check_values(check: Checker) -> None:
         check.require(_is_int(chunk) and chunk >= -1, "rollout.engine.chunked_prefill_size",
                       f"must be a positive integer, or 0 or -1 (off), got {chunk!r}")
     check.enum("rollout.engine.layer_layout", LAYER_LAYOUTS)
+    check.enum("rollout.engine.decode_attention", DECODE_ATTENTIONS)
     # Training log-probs divide the logits by the sampling temperature: RL cannot sample greedily.
     check.range("rollout.temperature", 0.0, MAX_TEMPERATURE, low_open=True)
     check.range("eval.temperature", 0.0, MAX_TEMPERATURE)  # 0: greedy

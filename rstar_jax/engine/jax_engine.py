@@ -1,7 +1,7 @@
 """In-process JAX generation engine with continuous batching over a paged KV pool.
 
 A fixed number of decode slots share one pool of KV pages ([layers, pages, page_size, kv_heads,
-head_dim], `max_total_tokens` in all, SGLang's `max_total_num_tokens`). A sequence holds only the
+head_dim], or heads first for the Pallas decode kernel; `max_total_tokens` in all, SGLang's `max_total_num_tokens`). A sequence holds only the
 pages its length needs, so many short sequences fit where a dense [slots, max_length] cache would
 hold few, and the pool can be smaller than slots x max_length. A background thread runs the engine
 loop: it admits waiting requests into free slots (one batched prefill for the requests admitted
@@ -80,6 +80,12 @@ cut from the stacked parameters at construction and at every weight update (`rst
 and runs the layers unrolled, so that no step slices (on GPU, copies) a layer's weights out of a
 stacked array. Outputs are the same either way (up to float rounding).
 
+Decode attention (`decode_attention`, see `rstar_jax.engine.settings`): "xla" gathers each row's pages
+and reduces over them; "pallas" lays the pool out heads first ([kv_heads, layers, pages, page_size,
+head_dim]) and decode steps run the Pallas GPU paged-attention kernel over it (interpreted on other
+backends, for tests); prefill attends by the XLA path either way. Outputs are the same (up to float
+rounding).
+
 Weight updates (`update_weights`) follow SGLang's `/update_weights_from_disk`. By default the call
 stops admitting new requests, lets every running (and retracted) request finish on the old weights,
 swaps the parameters and bumps the version; queued requests then run on the new weights. With
@@ -112,7 +118,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rstar_jax.model.qwen3 import PagedKVCache, Qwen3
+from rstar_jax.model import paged_attention
+from rstar_jax.model.qwen3 import DECODE_ATTENTIONS as MODEL_DECODE_ATTENTIONS, PagedKVCache, Qwen3
 from rstar_jax.rollout.protocol import (
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -125,7 +132,7 @@ from rstar_jax.rollout.protocol import (
 from rstar_jax.engine.pages import PagePool
 from rstar_jax.engine.prefix import PrefixCache
 from rstar_jax.engine.sampling import row_keys, sample_tokens, truncating_rows
-from rstar_jax.engine.settings import DEFAULT_LAYER_LAYOUT
+from rstar_jax.engine.settings import DECODE_ATTENTIONS, DEFAULT_DECODE_ATTENTION, DEFAULT_LAYER_LAYOUT
 from rstar_jax.engine.weights import EngineWeights
 
 MAX_STOP_IDS = 8
@@ -135,6 +142,9 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.7 * 0.14
 NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600
 RETRACT_DECODE_STEPS = 20  # SGLang's headroom per running request in the post-retraction estimate
+# Configs check names against the jax-free settings: each must be one the model runs.
+if DECODE_ATTENTIONS != MODEL_DECODE_ATTENTIONS:
+    raise ImportError("rstar_jax.engine.settings.DECODE_ATTENTIONS disagrees with rstar_jax.model.qwen3's")
 
 
 def prefill_step(layout: EngineWeights, original_logprobs: bool, weights, cache: PagedKVCache, tables, ids, starts,
@@ -157,16 +167,18 @@ def prefill_step(layout: EngineWeights, original_logprobs: bool, weights, cache:
 
 
 def decode_step(layout: EngineWeights, original_logprobs: bool, truncation: bool, weights, cache: PagedKVCache,
-                page_table, tokens, previous, from_previous, positions, key, step, seeds, temperature, top_p, top_k):
+                page_table, tokens, previous, from_previous, positions, key, step, seeds, temperature, top_p, top_k,
+                *, attention: str = DEFAULT_DECODE_ATTENTION, mesh: jax.sharding.Mesh | None = None):
     """The engine's decode kernel: one token for every slot (`key`, `step`: as `prefill_step`'s).
     A slot's input token is `previous` (the last step's output, still on the device) where
     `from_previous`, else `tokens` (from the host). `truncation`: whether some slot samples with top-p
-    or top-k, decided on the host (`sample_tokens`). Returns (cache, tokens, logprobs)."""
+    or top-k, decided on the host (`sample_tokens`). `attention`, `mesh`: the engine's decode
+    attention and mesh (bound with the others). Returns (cache, tokens, logprobs)."""
     key = jax.random.fold_in(key, step)
     tokens = jnp.where(from_previous, previous, tokens)
     model, layers = layout.model(weights)
     logits, cache = model.forward_with_paged_cache(tokens[:, None], positions[:, None], cache, page_table,
-                                                   layers=layers)
+                                                   layers=layers, decode_attention=attention, mesh=mesh)
     keys = row_keys(key, seeds, positions + 1)  # the sampled token's absolute position
     next_tokens, logprobs = sample_tokens(logits[:, 0], keys, temperature, top_p, top_k, original=original_logprobs,
                                           truncation=truncation)
@@ -207,14 +219,28 @@ def score_step(layout: EngineWeights, top_k: int, weights, ids, targets, tempera
     return picked.reshape(-1)[:t], values.reshape(t + pad, top_k)[:t], indices.reshape(t + pad, top_k)[:t]
 
 
-def pool_sharding(mesh: jax.sharding.Mesh, kv_heads: int) -> jax.sharding.NamedSharding:
-    """KV page pool [layers, pages, page_size, kv_heads, head_dim] placement: KV heads over "tensor"
-    (as the attention activations are) when it divides. Any slot may own any page, so pages are not
-    split over the data-parallel axes; scale data parallelism with more engines instead."""
+def pool_sharding(mesh: jax.sharding.Mesh, kv_heads: int, heads_first: bool = False) -> jax.sharding.NamedSharding:
+    """KV page pool [layers, pages, page_size, kv_heads, head_dim] placement (`heads_first`: [kv_heads,
+    layers, pages, page_size, head_dim]): KV heads over "tensor" (as the attention activations are)
+    when it divides. Any slot may own any page, so pages are not split over the data-parallel axes;
+    scale data parallelism with more engines instead."""
     tensor = mesh.shape.get("tensor", 1)
-    spec = jax.sharding.PartitionSpec(None, None, None, "tensor" if tensor > 1 and kv_heads % tensor == 0 else None,
-                                      None)
-    return jax.sharding.NamedSharding(mesh, spec)
+    heads = "tensor" if tensor > 1 and kv_heads % tensor == 0 else None
+    spec = (heads, None, None, None, None) if heads_first else (None, None, None, heads, None)
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def check_decode_attention(attention: str, config, page_size: int, cache_dtype, mesh: jax.sharding.Mesh | None) -> None:
+    """Refuses an unknown decode attention, or shapes the Pallas kernel cannot serve, naming why."""
+    if attention not in DECODE_ATTENTIONS:
+        raise ValueError(f"decode_attention must be one of {DECODE_ATTENTIONS}, got {attention!r}")
+    if attention == "pallas":
+        problems = paged_attention.unsupported(
+            num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+            page_size=page_size, dtype=cache_dtype, tensor=1 if mesh is None else mesh.shape.get("tensor", 1))
+        if problems:
+            raise ValueError(f"decode_attention 'pallas' cannot serve this model and pool: {'; '.join(problems)} "
+                             f"(use 'xla')")
 
 
 @dataclasses.dataclass
@@ -676,6 +702,8 @@ class JaxEngine(_Scheduler):
     layer_layout: how the engine holds the decoder layers' weights, "stacked" or "per_layer" (see the
     module docstring and `rstar_jax.engine.settings`); `extra_weight_bytes` is what the layout holds
     per device beside the model's parameters.
+    decode_attention: "xla" or "pallas", how decode steps attend over the pool (the module docstring,
+    `rstar_jax.engine.settings`); "pallas" lays the pool out heads first.
     The attribute `on_first_token` (default None), if set, is called from the engine thread with each
     request's seconds from submission to its first token, e.g. for a metrics histogram; it must be quick.
     """
@@ -688,7 +716,8 @@ class JaxEngine(_Scheduler):
                  chunked_prefill_size: int | None = None,
                  prefill_buckets: Sequence[int] = (64, 128, 256, 512, 1024, 2048, 4096, 8192),
                  seed: int = 0, cache_dtype: str | None = None, original_logprobs: bool = False,
-                 mesh: jax.sharding.Mesh | None = None, layer_layout: str = DEFAULT_LAYER_LAYOUT):
+                 mesh: jax.sharding.Mesh | None = None, layer_layout: str = DEFAULT_LAYER_LAYOUT,
+                 decode_attention: str = DEFAULT_DECODE_ATTENTION):
         if slots < 1 or max_length < 2:
             raise ValueError(f"JaxEngine: slots ({slots}) must be >= 1 and max_length ({max_length}) >= 2")
         if page_size < 1 or prefill_batch < 1:
@@ -713,14 +742,18 @@ class JaxEngine(_Scheduler):
         graphdef, state = nnx.split(model)
         try:
             self._layout = EngineWeights(graphdef, state, layer_layout)
+            check_decode_attention(decode_attention, model.config, page_size,
+                                   model.config.dtype if cache_dtype is None else cache_dtype, mesh)
         except ValueError as e:
             raise ValueError(f"JaxEngine: {e}") from None
+        self.decode_attention = decode_attention
         self.layer_layout = layer_layout
         self.extra_weight_bytes = self._layout.extra_bytes_per_device()
         self._weights = self._layout.place(state)
-        self._cache = model.init_paged_cache(self.num_pages, page_size, cache_dtype)
+        heads_first = decode_attention == "pallas"  # the kernel's layout: no per-layer transpose or copy
+        self._cache = model.init_paged_cache(self.num_pages, page_size, cache_dtype, heads_first=heads_first)
         if mesh is not None:
-            self._cache = jax.device_put(self._cache, pool_sharding(mesh, model.config.num_kv_heads))
+            self._cache = jax.device_put(self._cache, pool_sharding(mesh, model.config.num_kv_heads, heads_first))
         self._pool = PagePool(self.num_pages, page_size)
         self._slot_pages: list[list[int]] = [[] for _ in range(slots)]
         self._page_table = np.full((slots, self.pages_per_sequence), self.num_pages, np.int32)  # unallocated
@@ -763,7 +796,8 @@ class JaxEngine(_Scheduler):
         self._score = functools.lru_cache(maxsize=None)(
             lambda top_k: jax.jit(functools.partial(score_step, self._layout, top_k)))
         self._prefill = jax.jit(functools.partial(prefill_step, self._layout, original_logprobs), donate_argnums=(1,))
-        self._decode = {truncation: jax.jit(functools.partial(decode_step, self._layout, original_logprobs, truncation),
+        self._decode = {truncation: jax.jit(functools.partial(decode_step, self._layout, original_logprobs, truncation,
+                                                              attention=decode_attention, mesh=mesh),
                                             donate_argnums=(1,)) for truncation in (False, True)}
         self.steps = 0
         self.retractions = 0  # requests retracted so far (all of them)
