@@ -32,7 +32,9 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")  # what a dtype may be named in
 #   offload_named       every named activation copied to pinned host memory, none kept on the device
 REMAT_POLICY_NAMES = ("none", "full", "dots", "dots_saveable", "dots_no_batch", "dots_with_no_batch_dims_saveable",
                       "save_attention", "save_qkv_attention", "save_named", "offload_mlp", "offload_named")
-ATTENTION_IMPLS = ("xla", "cudnn")
+# "blockwise": xla's masking over query blocks with a flash-style backward (`qwen3.blockwise_attention`):
+# no [T, S] score matrix held, on any backend.
+ATTENTION_IMPLS = ("xla", "cudnn", "blockwise")
 
 MESH_AXES = ("data", "fsdp", "tensor")
 

@@ -173,6 +173,98 @@ def single_query_attention(q, k, v, mask):
     return out.astype(v.dtype).reshape(b, t, h, hd)
 
 
+# Query rows per block of `blockwise_attention`: its temporaries are [B, heads, block, S] fp32 scores.
+BLOCKWISE_QUERY_BLOCK = 256
+
+
+def blockwise_attention(q, k, v, positions, segment_ids, block: int = BLOCKWISE_QUERY_BLOCK):
+    """xla_attention's result (mask: positions q >= k within a segment) computed over query blocks,
+    with a hand-written backward that recomputes each block's probabilities from the saved
+    log-sum-exp: what it holds for the backward is q, k, v, the output and [B, heads, T] statistics,
+    as a fused attention kernel (cuDNN's) holds, never a [T, S] score matrix. Runs on any backend:
+    long rows on CPU, and the compiled memory of the cuDNN path estimated where cuDNN is absent."""
+    b, t = q.shape[:2]
+    if segment_ids is None:
+        segment_ids = jnp.ones((b, t), jnp.int32)
+    pad = -t % min(block, t)
+    if pad:  # padded query rows see no key (segment -1) and are dropped
+        q = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+        q_pos = jnp.pad(positions, ((0, 0), (0, pad)))
+        q_seg = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
+    else:
+        q_pos, q_seg = positions, segment_ids
+    out = _blockwise(q, k, v, (q_pos, q_seg, positions, segment_ids), min(block, t))
+    return out[:, :t]
+
+
+def _to_blocks(x, block):  # [B, T, ...] -> [T / block, B, block, ...]
+    return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // block, block, *x.shape[2:]), 1, 0)
+
+
+def _from_blocks(x):  # [T / block, B, block, ...] -> [B, T, ...]
+    return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], x.shape[0] * x.shape[2], *x.shape[3:])
+
+
+def _block_scores(qb, k, q_pos, q_seg, k_pos, k_seg):
+    """Masked scores [B, Hkv, G, block, S] (fp32) of a query block qb [B, block, Hkv, G, hd], and the mask."""
+    scores = jnp.einsum("btkgd,bskd->bkgts", qb, k, preferred_element_type=jnp.float32) / np.sqrt(qb.shape[-1])
+    mask = (q_pos[:, :, None] >= k_pos[:, None, :]) & (q_seg[:, :, None] == k_seg[:, None, :])
+    return jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min), mask[:, None, None]
+
+
+def _grouped(x, kv_heads):  # [B, T, H, hd] -> [B, T, Hkv, H / Hkv, hd]
+    return x.reshape(x.shape[0], x.shape[1], kv_heads, x.shape[2] // kv_heads, x.shape[3])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _blockwise(q, k, v, masks, block):
+    return _blockwise_fwd(q, k, v, masks, block)[0]
+
+
+def _blockwise_fwd(q, k, v, masks, block):
+    q_pos, q_seg, k_pos, k_seg = masks
+
+    def one(xs):
+        qb, pb, sb = xs
+        scores, _ = _block_scores(qb, k, pb, sb, k_pos, k_seg)
+        lse = jax.nn.logsumexp(scores, axis=-1)
+        probs = jnp.exp(scores - lse[..., None]).astype(v.dtype)
+        return jnp.einsum("bkgts,bskd->btkgd", probs, v), lse
+
+    out, lse = jax.lax.map(one, (_to_blocks(_grouped(q, k.shape[2]), block), _to_blocks(q_pos, block),
+                                 _to_blocks(q_seg, block)))
+    out = _from_blocks(out).reshape(q.shape)
+    return out, (q, k, v, masks, out, lse)
+
+
+def _blockwise_bwd(block, residuals, d_out):
+    q, k, v, masks, out, lse = residuals
+    q_pos, q_seg, k_pos, k_seg = masks
+    kv_heads, f32 = k.shape[2], jnp.float32
+    # softmax's backward: dS = P * (dP - rowsum(dO * O))
+    delta = jnp.sum(_grouped(d_out, kv_heads).astype(f32) * _grouped(out, kv_heads).astype(f32), axis=-1)
+
+    def one(carry, xs):
+        dk, dv = carry
+        qb, pb, sb, dob, lseb, deltab = xs
+        scores, mask = _block_scores(qb, k, pb, sb, k_pos, k_seg)
+        probs = jnp.exp(scores - lseb[..., None])
+        dv = dv + jnp.einsum("bkgts,btkgd->bskd", probs.astype(v.dtype), dob, preferred_element_type=f32)
+        dp = jnp.einsum("btkgd,bskd->bkgts", dob, v, preferred_element_type=f32)
+        ds = jnp.where(mask, probs * (dp - jnp.moveaxis(deltab, 1, -1)[..., None]), 0.0) / np.sqrt(q.shape[-1])
+        ds = ds.astype(q.dtype)
+        dk = dk + jnp.einsum("bkgts,btkgd->bskd", ds, qb, preferred_element_type=f32)
+        return (dk, dv), jnp.einsum("bkgts,bskd->btkgd", ds, k, preferred_element_type=f32).astype(q.dtype)
+
+    xs = (_to_blocks(_grouped(q, kv_heads), block), _to_blocks(q_pos, block), _to_blocks(q_seg, block),
+          _to_blocks(_grouped(d_out, kv_heads), block), lse, _to_blocks(delta, block))
+    (dk, dv), dq = jax.lax.scan(one, (jnp.zeros(k.shape, f32), jnp.zeros(v.shape, f32)), xs)
+    return _from_blocks(dq).reshape(q.shape), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_blockwise.defvjp(_blockwise_fwd, _blockwise_bwd)
+
+
 def cudnn_attention(q, k, v, segment_ids):
     """cuDNN fused attention through the public API; the score matrix is never materialised.
 
@@ -359,6 +451,8 @@ class Qwen3(nnx.Module):
             with jax.named_scope("attention"):
                 if c.attention_impl == "xla":
                     attn = xla_attention(q, k, v, mask)
+                elif c.attention_impl == "blockwise":
+                    attn = blockwise_attention(q, k, v, positions, segment_ids)
                 else:
                     attn = cudnn_attention(q, k, v, segment_ids)
             return self._finish_layer(p, h, checkpoint_name(attn, "attention_out")), None
@@ -517,5 +611,5 @@ __all__: Sequence[str] = (
     "Qwen3Config", "Qwen3", "PagedKVCache", "abstract_model", "param_logical_axes", "sequence_positions",
     "unstack_layers", "DECODE_ATTENTIONS",
     "dtype_name", "DTYPE_NAMES", "REMAT_NAMES", "REMAT_POLICIES", "REMAT_POLICY_NAMES", "ATTENTION_IMPLS",
-    "check_remat_backend",
+    "check_remat_backend", "blockwise_attention",
 )
