@@ -84,6 +84,10 @@ def get_config() -> ml_collections.ConfigDict:
     # sglang backend on one machine: start this many `python -m rstar_jax.serve` processes (our
     # SGLang-compatible server) from the policy and stop them with the run; servers = () then.
     c.rollout.local_servers = 0
+    # Rollout worker processes per trainer process (rstar_jax/rollout/workers.py), each with its own
+    # event loop and share of a step's groups, servers and sandbox targets; 1: the rollout runs in the
+    # trainer process. Only with servers (rollout.backend="sglang"): the JaxEngine lives in-process.
+    c.rollout.workers = 1
     c.rollout.scheduler = "kv"  # spec §4.1: KV-cache-aware load balancing | "round_robin"
     # The "kv" scheduler (rstar_jax/rollout/scheduler.py; benchmarks/rollout_sim.py measures it): a
     # turn reserves its context plus new_token_ratio x its expected output ("expected"; "worst-case":

@@ -526,6 +526,11 @@ def _check_values(check: Checker) -> None:
     for field in ("rollouts_per_prompt", "max_prompt_length", "max_concurrency", "engine.slots", "engine.max_length",
                   "engine.page_size"):
         check.positive_int(f"rollout.{field}")
+    if check.positive_int("rollout.workers") and r.workers > 1 and check.ok("rollout.backend"):
+        check.require(r.backend == "sglang", "rollout.workers",
+                      f"worker processes reach generators over HTTP: {r.workers} workers need "
+                      f"rollout.backend='sglang' (the in-process JaxEngine has rollout.workers = 1), "
+                      f"got rollout.backend={r.backend!r}")
     if check.positive_int("rollout.engine.max_total_tokens", allow_zero=True) and check.ok("rollout.engine.max_length"):
         pool = r.engine.max_total_tokens
         check.require(pool == 0 or pool >= r.engine.max_length, "rollout.engine.max_total_tokens",

@@ -119,6 +119,15 @@ class LoopConfig:
 _rid_counter = itertools.count()
 
 
+def set_rid_base(base: int) -> None:
+    """This process's request ids count from `base` (< 16**16): processes that share servers (rollout
+    worker processes) take disjoint ranges, so no two requests on a server share an id."""
+    global _rid_counter
+    if not 0 <= base < 16**16:
+        raise ValueError(f"set_rid_base: base must be in [0, 16**16), got {base}")
+    _rid_counter = itertools.count(base)
+
+
 def trajectory_seed(seed: int, group_id: int, sample_index: int) -> int:
     """A well-mixed 31-bit sampling seed for one trajectory (stable across runs and processes)."""
     return int(np.random.SeedSequence([seed, group_id, sample_index]).generate_state(1)[0]) % (2**31 - 1)

