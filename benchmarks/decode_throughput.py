@@ -14,7 +14,9 @@ Prints:
   whole device, unless --no-hf.
 --profile DIR writes a profiler trace of the timed engine run. `--layer-layout per_layer` runs the
 engine with each layer's weights as arrays of their own (`rstar_jax.engine.settings`); the JSON's name
-then carries the layout.
+then carries the layout. `--decode-attention pallas` runs decode steps with the Pallas GPU
+paged-attention kernel over a heads-first pool (in interpret mode off GPU: slow, a check only); the
+JSON's name then carries it too.
 With `--group G` the prompts come in groups of G identical ones (GRPO's 2G rollouts of one prompt),
 and the same run also times an engine without prefix sharing: the prefill each engine computed and
 the speed-up sharing gives.
@@ -24,6 +26,8 @@ the speed-up sharing gives.
     python benchmarks/decode_throughput.py --preset tiny --batch 64 --group 32 --prompt 1024 --new 16 --no-hf
     python benchmarks/decode_throughput.py --preset qwen3-1.7b --batch 64 --prompt 512 --new 256 --dtype bfloat16 \
         --no-hf --layer-layout per_layer                                                   # GPU, per-layer weights
+    python benchmarks/decode_throughput.py --preset qwen3-1.7b --batch 64 --prompt 512 --new 256 --dtype bfloat16 \
+        --no-hf --decode-attention pallas                                                  # GPU, the Pallas kernel
 """
 
 from __future__ import annotations
@@ -44,7 +48,12 @@ from flax import nnx  # noqa: E402
 
 from rstar_jax.model.qwen3 import Qwen3, Qwen3Config  # noqa: E402
 from rstar_jax.engine.jax_engine import JaxEngine  # noqa: E402
-from rstar_jax.engine.settings import DEFAULT_LAYER_LAYOUT, LAYER_LAYOUTS  # noqa: E402
+from rstar_jax.engine.settings import (  # noqa: E402
+    DECODE_ATTENTIONS,
+    DEFAULT_DECODE_ATTENTION,
+    DEFAULT_LAYER_LAYOUT,
+    LAYER_LAYOUTS,
+)
 from rstar_jax.rollout.protocol import SamplingParams  # noqa: E402
 
 from ceilings import copy_bandwidth, hf_peer_config, run_peer  # noqa: E402 (benchmarks/ceilings.py)
@@ -123,6 +132,8 @@ def main() -> None:
                                                              "> 1 also times an engine without prefix sharing")
     parser.add_argument("--layer-layout", default=DEFAULT_LAYER_LAYOUT, choices=LAYER_LAYOUTS,
                         help="how the engine holds the layer weights (default %(default)s)")
+    parser.add_argument("--decode-attention", default=DEFAULT_DECODE_ATTENTION, choices=DECODE_ATTENTIONS,
+                        help="how decode steps attend over the KV pool (default %(default)s)")
     parser.add_argument("--profile", metavar="DIR", help="write a profiler trace of the timed engine run to DIR")
     parser.add_argument("--only", choices=("ours", "peer"), help="run one side only (peer: HF generate)")
     parser.add_argument("--peer-json", help=argparse.SUPPRESS)  # where `--only peer` writes its figures
@@ -152,7 +163,7 @@ def main() -> None:
 
     def timed(profile: str | None = None, **options) -> tuple[float, JaxEngine]:
         engine = JaxEngine(model, slots=args.batch, max_length=max_length, prefill_buckets=buckets,
-                           layer_layout=args.layer_layout, **options)
+                           layer_layout=args.layer_layout, decode_attention=args.decode_attention, **options)
         try:
             run_engine(engine, prompts.tolist(), args.new)  # compile
             engine.prompt_tokens = engine.cached_tokens = engine.shared_tokens = engine.shared_pages = 0
@@ -174,7 +185,7 @@ def main() -> None:
     kv_bytes = 2 * config.num_layers * args.batch * max_length * config.num_kv_heads * config.head_dim * itemsize
     roofline = args.batch * bandwidth / (weight_bytes + kv_bytes)
     print(f"device: {jax.devices()[0].device_kind}; preset {args.preset} ({config.num_params / 1e6:.1f}M params, "
-          f"{args.dtype}); batch {args.batch}, prompt {args.prompt}, new {args.new}; layer layout {args.layer_layout}")
+          f"{args.dtype}); batch {args.batch}, prompt {args.prompt}, new {args.new}; layer layout {args.layer_layout}; decode attention {args.decode_attention}")
     compiles = COMPILES.count
     print(f"JaxEngine:        {ours:10.0f} tokens/s ({elapsed:.2f} s; {compiles} compilations in the timed run"
           f"{'' if not compiles else ': the figure includes compile time'})")
@@ -196,6 +207,7 @@ def main() -> None:
               f"-> JaxEngine / HF = {ours / rate:.2f}x")
     if os.environ.get("OUT"):
         layout = "" if args.layer_layout == DEFAULT_LAYER_LAYOUT else f"_{args.layer_layout}"
+        layout += "" if args.decode_attention == DEFAULT_DECODE_ATTENTION else f"_{args.decode_attention}"
         name = f"decode_{args.preset}_B{args.batch}{layout}.json"
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(result, f, indent=2)

@@ -35,6 +35,16 @@
 #                                            #       carry=[".whl"], timeout_s=600)
 #                                            # after `bash benchmarks/gpu_suite.sh --prepare` here; check it
 #                                            # first with `bash benchmarks/gpu_suite.sh --layer-layout --smoke`
+#   bash benchmarks/gpu_suite.sh --decode-attention # instead: the engine's two decode attentions
+#                                            # (rollout.engine.decode_attention), alternately: decode for
+#                                            # Qwen3-1.7B at batch 64, tokens/s and % of roofline, with the
+#                                            # XLA path and with the Pallas paged-attention kernel over the
+#                                            # heads-first pool; then the kernel alone against the XLA path
+#                                            # for one layer (benchmarks/decode_attention.py); a second
+#                                            # decode round where the deadline allows; the last line is
+#                                            # engine_pallas_vs_xla=X.XX. Needs no .whl; the lease's call:
+#                                            #   run(command="bash benchmarks/gpu_suite.sh --decode-attention",
+#                                            #       timeout_s=600)
 #   bash benchmarks/gpu_suite.sh --smoke     # CPU-sized shapes, to check the suite itself anywhere
 #
 # Each part has its own time limit inside an overall deadline (GPU_SUITE_SECONDS, default 570 s),
@@ -66,7 +76,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
     exit 0
 fi
 
-SMOKE=0 PROFILE=0 SWEEP=0 ASYNC=0 DECODE_ONLY=0 DECODE_XLA=0 LAYER_LAYOUT=0
+SMOKE=0 PROFILE=0 SWEEP=0 ASYNC=0 DECODE_ONLY=0 DECODE_XLA=0 LAYER_LAYOUT=0 DECODE_ATTENTION=0
 for arg in "$@"; do
     case "$arg" in
         --smoke) SMOKE=1 ;;
@@ -76,7 +86,8 @@ for arg in "$@"; do
         --decode) DECODE_ONLY=1 ;;
         --decode-xla) DECODE_XLA=1 ;;
         --layer-layout) LAYER_LAYOUT=1 ;;
-        *) echo "gpu_suite.sh: unknown argument $arg (--prepare, --smoke, --profile, --sweep, --async, --decode, --decode-xla, --layer-layout)" >&2; exit 2 ;;
+        --decode-attention) DECODE_ATTENTION=1 ;;
+        *) echo "gpu_suite.sh: unknown argument $arg (--prepare, --smoke, --profile, --sweep, --async, --decode, --decode-xla, --layer-layout, --decode-attention)" >&2; exit 2 ;;
     esac
 done
 
@@ -199,6 +210,45 @@ if (( LAYER_LAYOUT )); then
     fi
     echo; grep -E "^(=== decode|=== layer|device:|JaxEngine:|roofline:|engine layer|layers|per_layer_vs_stacked| +[0-9]+ (stacked|per_layer) )" \
         "$OUT/gpu_suite.log"
+    if (( ${#FAILED[@]} )); then echo "gpu_suite: FAILED parts: ${FAILED[*]}"; exit 1; fi
+    exit 0
+fi
+
+if (( DECODE_ATTENTION )); then
+    part environment 30 bash -c "nvidia-smi -L 2>/dev/null || echo 'no nvidia-smi'; git log -1 --oneline 2>/dev/null || true"
+    # The H100 profile at 72fbfd0: 44% of decode's device time in the XLA path's attention reductions
+    # (0.9 TB/s for K). decode_attention=pallas reads the pages in place with the Pallas kernel (its
+    # Triton compile makes the first program slower to build: a longer limit). The engine's figure
+    # first, one run each; then the kernel alone; a second round where the deadline leaves room.
+    export OUT  # decode_throughput.py writes its JSON there: the ratio at the end reads them
+    ATTENTION=(--json "$OUT/decode_attention.json")
+    (( SMOKE )) && ATTENTION+=(--smoke)
+    part "decode, decode attention xla (1)" 100 "$PY" benchmarks/decode_throughput.py "${DECODE[@]}" --no-hf \
+        --decode-attention xla
+    part "decode, decode attention pallas (1)" 150 "$PY" benchmarks/decode_throughput.py "${DECODE[@]}" --no-hf \
+        --decode-attention pallas
+    part "decode attention, one layer" 90 "$PY" benchmarks/decode_attention.py "${ATTENTION[@]}"
+    if (( DEADLINE - $(date +%s) > 260 )); then
+        part "decode, decode attention xla (2)" 100 "$PY" benchmarks/decode_throughput.py "${DECODE[@]}" --no-hf \
+            --decode-attention xla
+        part "decode, decode attention pallas (2)" 150 "$PY" benchmarks/decode_throughput.py "${DECODE[@]}" --no-hf \
+            --decode-attention pallas
+    fi
+    echo; grep -E "^(=== decode|device:|JaxEngine:|roofline:|limit:|xla:|pallas|pallas_vs_xla)" "$OUT/gpu_suite.log"
+    # The engine's ratio from the last run of each (decode_throughput.py writes its JSON to $OUT).
+    "$PY" - "$OUT" <<'PYEOF'
+import glob, json, os, sys
+runs = {}
+for path in glob.glob(os.path.join(sys.argv[1], "decode_*_B*.json")):
+    with open(path) as f:
+        result = json.load(f)
+    if result["args"].get("layer_layout", "stacked") == "stacked":  # another mode's runs may share $OUT
+        runs[result["args"].get("decode_attention", "xla")] = result["tokens_per_s"]
+if {"xla", "pallas"} <= set(runs):
+    print(f"engine_pallas_vs_xla={runs['pallas'] / runs['xla']:.2f}")
+else:
+    print(f"engine_pallas_vs_xla: missing runs ({sorted(runs)})")
+PYEOF
     if (( ${#FAILED[@]} )); then echo "gpu_suite: FAILED parts: ${FAILED[*]}"; exit 1; fi
     exit 0
 fi
