@@ -223,6 +223,23 @@ def test_the_layer_layout_reaches_the_engine_and_the_local_servers():
     assert "--layer-layout" not in builders.local_server_flags(_config().rollout.engine)
 
 
+def test_the_decode_attention_reaches_the_engine_and_unservable_shapes_name_the_field():
+    """rollout.engine.decode_attention="pallas": the in-process engine decodes with the kernel over
+    a heads-first pool; a page size the kernel cannot serve is a config error naming the field."""
+    from flax import nnx
+
+    from rstar_jax.model.qwen3 import Qwen3, Qwen3Config
+
+    model = Qwen3(Qwen3Config.tiny(), rngs=nnx.Rngs(0))
+    small = {"rollout.engine.slots": 2, "rollout.engine.max_length": 64, "rollout.engine.decode_attention": "pallas"}
+    engine = builders.make_engine(_config(**small), model, None)
+    engine.close()
+    assert engine.decode_attention == "pallas" and engine._cache.heads_first
+    with pytest.raises(ConfigError, match=r"config.rollout.engine.decode_attention: decode_attention 'pallas' cannot "
+                                          r"serve this model and pool: page_size 24 must be a power of two"):
+        builders.make_engine(_config(**small, **{"rollout.engine.page_size": 24}), model, None)
+
+
 def test_an_hf_tokenizer_with_nothing_to_load_is_a_config_error(tmp_path):
     """Stage 3 names only train.init_from; a directory that exists (what validation checks) but holds
     no run gives one error naming the field, not a traceback from the tokenizer loader."""

@@ -175,6 +175,8 @@ def test_tiny_config_describes_a_tiny_model():
                                                   r"integer, or 0 or -1 \(off\), got -2"),
     ({"rollout.engine.layer_layout": "unrolled"}, r"config.rollout.engine.layer_layout: must be one of "
                                                   r"\('stacked', 'per_layer'\), got 'unrolled'"),
+    ({"rollout.engine.decode_attention": "flash"}, r"config.rollout.engine.decode_attention: must be one of "
+                                                   r"\('xla', 'pallas'\), got 'flash'"),
     ({"rollout.temperature": 0.0}, r"config.rollout.temperature: must be in \(0.0, 10.0\], got 0.0"),
     ({"rollout.top_k": 0}, r"config.rollout.top_k: must be -1 \(off\) or >= 1, got 0"),
     ({"rollout.scheduler": "random"}, r"config.rollout.scheduler: must be one of \('kv', 'round_robin'\)"),
