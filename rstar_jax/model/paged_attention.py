@@ -12,8 +12,8 @@ The kernel leaves the 1/sqrt(head dim) scaling to its caller (done here, on the 
 page table a multiple of k_splits x pages_per_compute_block wide; entries past a row's length are
 masked but read, so they must name real pages: the table is clipped into the pool and widened with
 page 0. On a non-GPU backend the kernel runs in interpret mode (a test of the program, slow).
-Under a mesh whose "tensor" axis splits the KV heads, it runs under `jax.shard_map` over that axis:
-each device attends with its own heads over its own share of the pool.
+Over a mesh it runs under `jax.shard_map`: where the "tensor" axis splits the KV heads, each device
+attends with its own heads over its own share of the pool; the other axes repeat the call.
 """
 
 from __future__ import annotations
@@ -83,8 +83,9 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
                            lengths: jax.Array, *, mesh: jax.sharding.Mesh | None = None) -> jax.Array:
     """One query per row against its first `lengths[b]` positions in layer `layer` of a heads-first
     pool: q [B, H, hd], pools [Hkv, layers, pages, page size, hd], page_table [B, W] (entries >=
-    pages mark unallocated pages), lengths [B] int32. Returns [B, H, hd] in q's dtype. `mesh`: the
-    pool's, when its "tensor" axis splits the KV heads."""
+    pages mark unallocated pages), lengths [B] int32 (0: the row attends to nothing and gets zeros).
+    Returns [B, H, hd] in q's dtype. `mesh`: the pool's (its "tensor" axis splitting the KV heads
+    when larger than 1)."""
     from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention  # only this path needs Pallas
 
     kv_heads, layers, pages, page_size, head_dim = k_pool.shape
@@ -99,9 +100,11 @@ def paged_decode_attention(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array, l
         merged = (k_pool.shape[0], layers * pages, page_size, head_dim)  # a reshape, no copy
         return kernel(q, k_pool.reshape(merged), v_pool.reshape(merged), table, lengths)
 
-    tensor = 1 if mesh is None else mesh.shape.get("tensor", 1)
-    if tensor > 1:
-        heads, pool = P(None, "tensor", None), P("tensor")
+    if mesh is not None and mesh.size > 1:
+        # Always manual over a mesh: the partitioner cannot split a kernel's custom call, so each
+        # device runs it on its KV heads (its share of the pool) and the rest of the mesh repeats it.
+        split = "tensor" if mesh.shape.get("tensor", 1) > 1 else None
+        heads, pool = P(None, split, None), P(split)
         attend = jax.shard_map(attend, mesh=mesh, in_specs=(heads, pool, pool, P(), P()), out_specs=heads,
                                check_vma=False)
     return attend(scaled, k_pool, v_pool, table, lengths.astype(jnp.int32)).astype(q.dtype)

@@ -544,7 +544,9 @@ class Qwen3(nnx.Module):
                     v_pool = v_pool.at[index, write_page, offset].set(v.astype(v_pool.dtype), mode="drop")
             if kernel:
                 with jax.named_scope("attention"):
-                    attn = paged_decode_attention(q[:, 0], k_pool, v_pool, index, page_table, positions[:, 0] + 1,
+                    # Rows past the span (idle slots) attend to nothing: the kernel skips their pages.
+                    lengths = jnp.where(positions[:, 0] < span, positions[:, 0] + 1, 0)
+                    attn = paged_decode_attention(q[:, 0], k_pool, v_pool, index, page_table, lengths,
                                                   mesh=mesh)[:, None]
                 return (self._finish_layer(p, h, attn), k_pool, v_pool), None
             with jax.named_scope("kv_gather"):

@@ -145,6 +145,24 @@ def test_the_kernel_equals_the_xla_path_per_layer(kernel_case):
     assert _distance(want[0], want[2]) > 0.1  # the layers differ: a wrong layer offset would show
 
 
+def test_the_kernel_over_a_mesh_equals_it_on_one_device(kernel_case):
+    """Under shard_map: the pool split over tensor (2 ways, one KV head each), or repeated over a
+    mesh without a tensor axis; a row of length 0 (an idle slot) gets zeros either way."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from rstar_jax.parallel import make_mesh
+
+    q, k_pool, v_pool, table, _, want = kernel_case
+    lengths = LENGTHS.copy()
+    lengths[3] = 0
+    for fsdp, tensor in ((4, 2), (8, 1)):
+        mesh = make_mesh(data=1, fsdp=fsdp, tensor=tensor)
+        split = "tensor" if tensor > 1 else None
+        pools = [jax.device_put(p, NamedSharding(mesh, P(split))) for p in (k_pool, v_pool)]
+        got = np.asarray(jax.jit(lambda *a: paged_decode_attention(*a, mesh=mesh))(q, *pools, 0, table, lengths))
+        assert _distance(got[:3], want[0][:3]) < 1e-5 and not np.any(got[3]), (fsdp, tensor)
+
+
 def test_a_length_off_by_one_differs_from_the_xla_path(kernel_case):
     """One position short: the row whose newest position opens a page (17) loses that page, the
     others their newest position; one too many reads a position that is not the row's."""
@@ -202,3 +220,28 @@ def test_the_setting_reaches_serve_and_local_servers():
     assert builders.local_server_flags(engine) == ["--decode-attention", "pallas"]
     engine.decode_attention = "xla"
     assert builders.local_server_flags(engine) == []
+
+
+@pytest.mark.slow  # a `rstar_jax.serve` subprocess
+def test_a_pallas_server_matches_the_full_forward():
+    """`python -m rstar_jax.serve --decode-attention pallas`: reported in /get_server_info; greedy
+    tokens and log-probs of the full forward (no cache), across page boundaries (pages of 8)."""
+    from rstar_jax.engine.local_server import LocalServer
+    from rstar_jax.rollout.sglang import SGLangGenerator
+    from tests.engine.test_engine import _reference
+
+    config = Qwen3Config.tiny()  # the server's "tiny" preset, seed 0
+    prompt = np.random.default_rng(3).integers(1, config.vocab_size, 13).tolist()
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0)
+
+    async def run(url):
+        async with SGLangGenerator(url) as gen:
+            return await gen.server_info(), await gen.generate(prompt, greedy)
+
+    with LocalServer("tiny", slots=2, max_length=128, page_size=8, seed=0,
+                     extra_args=("--decode-attention", "pallas")) as s:
+        info, result = asyncio.run(run(s.url))
+    assert info["decode_attention"] == "pallas"
+    tokens, logprobs = _reference(Qwen3(config, rngs=nnx.Rngs(0)), prompt, 8)
+    assert result.token_ids == tokens
+    np.testing.assert_allclose(result.logprobs, logprobs, rtol=0, atol=LOGPROB_ATOL)
