@@ -58,6 +58,7 @@ from rstar_jax.rollout.loop import Scorer, ToolExecutor
 from rstar_jax.rollout.protocol import Scheduler
 from rstar_jax.rollout.scheduler import KvScheduler, RoundRobinScheduler
 from rstar_jax.rollout.sglang import SGLangGenerator
+from rstar_jax.rollout.workers import RolloutWorkers, WorkerSpec
 from rstar_jax.train.checkpoint import Checkpointer, CheckpointError, PolicySource, stored_config
 from rstar_jax.app.kv_pool import CONFIG_NAMES, kv_pool_tokens
 from rstar_jax.train.metrics import MetricsWriter
@@ -238,14 +239,19 @@ def make_engine(config, model: Qwen3, mesh: Mesh | None, *, max_length: int | No
 def tokenizer(config) -> Tokenizer:
     """`tokenizer.path`, else `model.hf_path`'s files, else those of the run `train.init_from` continues.
     Generation stops on the model's EOS set: its `generation_config.json` where the model has one."""
+    return load_tokenizer(*tokenizer_source(config))
+
+
+def tokenizer_source(config) -> tuple[str, str | None, str | None]:
+    """`load_tokenizer`'s arguments for `tokenizer` (what a rollout worker process loads it from)."""
     previous_model, previous_tokenizer = ("", "") if config.model.hf_path else previous_stage(config)
     path = config.tokenizer.path or config.model.hf_path or previous_tokenizer
     if config.tokenizer.kind == "hf" and not path:  # validation saw train.init_from exist, not what it holds
         raise ConfigError(f"config.tokenizer.path: {missing_tokenizer(config.train.init_from)}")
     model_dir = config.model.hf_path or previous_model
     generation = pathlib.Path(model_dir) / "generation_config.json" if model_dir else None
-    return load_tokenizer(config.tokenizer.kind, path or None,
-                          generation if generation is not None and generation.is_file() else None)
+    return (config.tokenizer.kind, str(path) if path else None,
+            str(generation) if generation is not None and generation.is_file() else None)
 
 
 def template(config) -> ChatTemplate:
@@ -490,19 +496,25 @@ class RolloutResources:
     generators: list[SGLangGenerator] = dataclasses.field(default_factory=list)  # servers, placed by
     scheduler: Scheduler | None = None  # the KV-aware (or round-robin) scheduler
     closers: list = dataclasses.field(default_factory=list)  # async callables run first on exit (weight sync)
+    # `rollout.workers` > 1: the processes that run the rollouts (on their own clients of the same
+    # servers and sandboxes); `generators` and `scheduler` here then serve weight sync and readiness.
+    workers: RolloutWorkers | None = None
     # Per sandbox server, once ready: the isolation in force and what tool code imports (its self-test).
     sandbox_reports: list[str] = dataclasses.field(default_factory=list)
 
 
 @contextlib.asynccontextmanager
 async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine | None = None,
-                            urls: Sequence[str] = (), vocab_size: int | None = None) -> AsyncIterator[RolloutResources]:
+                            urls: Sequence[str] = (), vocab_size: int | None = None,
+                            workers: int = 1) -> AsyncIterator[RolloutResources]:
     """The tool executor for `targets` (`sandbox.api`: a gRPC SandboxClient or a SandboxFusion
     executor; the tool environment travels with each call, `LoopConfig.tool_env`), the scorer
     (`sandbox.verify_via`, one timeout `sandbox.verify_timeout_s`) and the generators: `engine`, or
     SGLang clients for `urls` behind `rollout.scheduler`. Everything belongs to the running event
     loop and is closed on exit. `vocab_size`: the policy's, which the servers' input ids are checked
-    against (unknown: the clients read it from the served model's config.json where they can)."""
+    against (unknown: the clients read it from the served model's config.json where they can).
+    `workers` > 1 (RL's `rollout.workers`; servers only): that many rollout worker processes on this
+    process's share of the servers, started once everything is ready (`resources.workers`)."""
     s = config.sandbox
     client = tool_client(config, targets)
     scorer = make_scorer(s.verify_via, timeout_s=s.verify_timeout_s, sandbox_client=client)
@@ -526,14 +538,41 @@ async def rollout_resources(config, targets: Sequence[str], *, engine: JaxEngine
         await wait_until_ready(resources, config.rollout.ready_timeout_s,
                                generators=None if multihost.is_writer() else generation_share(resources.generators),
                                modules=tool_modules(config))
+        if workers > 1:
+            if engine is not None:
+                raise ConfigError(f"config.rollout.workers: {workers} worker processes need rollout.backend='sglang': "
+                                  f"the in-process JaxEngine cannot be reached from them")
+            spec = worker_spec(config, targets, [g.base_url for g in generation_share(resources.generators)],
+                               vocab_size=vocab_size)
+            resources.workers = await RolloutWorkers(spec, workers).start()
+            print(f"[rl] rollout: {workers} worker processes (pids {' '.join(map(str, resources.workers.pids))})",
+                  flush=True)
         yield resources
     finally:
+        if resources.workers is not None:
+            await resources.workers.close()
         for close in resources.closers:
             await close()
         scorer.close()
         await client.close()
         for generator in resources.generators:
             await generator.close()
+
+
+def worker_spec(config, targets: Sequence[str], urls: Sequence[str], *, vocab_size: int | None = None) -> WorkerSpec:
+    """What `rollout.workers` worker processes build their rollout from: RL's loop and template, the
+    tokenizer's files, `urls` (this process's servers) and the sandbox `targets`, each shared out
+    among the workers (rstar_jax.rollout.workers)."""
+    r, s, k = config.rollout, config.sandbox, config.rollout.kv_scheduler
+    return WorkerSpec(
+        urls=tuple(urls), sandbox_targets=tuple(targets), loop=resolve.loop_config(config), template=template(config),
+        tokenizer=tokenizer_source(config), sandbox_api=s.api, verify_via=s.verify_via,
+        verify_timeout_s=s.verify_timeout_s, scheduler=r.scheduler,
+        kv_scheduler=dict(budget_fraction=k.budget_fraction, reservation=k.reservation,
+                          new_token_ratio=k.new_token_ratio, group_block=k.group_block,
+                          reconcile_interval=k.reconcile_interval_s or None),
+        generator=dict(generate_timeout_s=r.generate_timeout_s or None, vocab_size=vocab_size),
+        max_concurrency=r.max_concurrency)
 
 
 def tool_client(config, targets: Sequence[str]) -> ToolService:

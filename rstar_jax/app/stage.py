@@ -230,11 +230,12 @@ def run_rl(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempla
         # One event loop for the whole stage: the sandbox client's channels and the generators'
         # HTTP sessions belong to it.
         async with builders.rollout_resources(config, targets, engine=engine, urls=urls,
-                                              vocab_size=model.config.vocab_size) as resources:
+                                              vocab_size=model.config.vocab_size,
+                                              workers=config.rollout.workers) as resources:
             trainer = RLTrainer(model, optimizer, tokenizer, settings, executor=resources.client,
                                 scorer=resources.scorer, weight_sync=builders.weight_sync(config, resources),
                                 generator=resources.engine, scheduler=resources.scheduler, template=template,
-                                mesh=mesh)
+                                mesh=mesh, rollout_workers=resources.workers)
             # Generators may hold any weights (servers start from an export, versions continue
             # across a resume): they sample from the trainer's policy from the first step.
             await trainer.sync_weights(begin.step_offset + start)
@@ -243,7 +244,9 @@ def run_rl(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempla
             loop = RLLoop(trainer, prompts, config.train.steps, metrics, checkpointer, save_state,
                           lr=lambda step: float(schedule(step)),
                           rollouts_run_dir=pathlib.Path(config.run_dir) if config.metrics.save_rollouts else None,
-                          stage=config.stage, scheduler=resources.scheduler, evaluate=evaluation,
+                          # With worker processes this process's scheduler places no turns: no figures.
+                          stage=config.stage, scheduler=None if resources.workers else resources.scheduler,
+                          evaluate=evaluation,
                           eval_every=config.train.eval_every, progress=config.metrics.progress_bar,
                           step_offset=begin.step_offset, max_staleness=config.rl.max_staleness)
             return await loop.run(start)

