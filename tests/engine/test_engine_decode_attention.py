@@ -76,6 +76,12 @@ def test_pallas_decode_matches_xla_on_one_device(model):
         want = _run(xla, prompts)
         assert all(len(r.token_ids) == NEW for r in want)
         _assert_same(_run(pallas, prompts), want)
+        # Pages shared between rows (prefix sharing): two full pages of a common prefix, read by every row.
+        shared = [prompts[3][:16] + p[:n] for p, n in zip(_prompts(5), (1, 5, 8, 8))]
+        want = _run(xla, shared)
+        assert xla.shared_pages > 0 and pallas.shared_pages == 0
+        _assert_same(_run(pallas, shared), want)
+        assert pallas.shared_pages == xla.shared_pages
     finally:
         for eng in engines.values():
             eng.close()
