@@ -156,7 +156,8 @@ async def _read(reader: asyncio.StreamReader) -> Any:
 
 # -- the worker process ----------------------------------------------------------------------------
 
-async def _serve(fd: int, parent: int) -> None:
+async def _serve(fd: int, parent: int) -> int:
+    """Serves the trainer process on socket `fd` until it stops, closes or goes away; the exit status."""
     reader, writer = await asyncio.open_connection(sock=socket.socket(fileno=fd))
     lock = asyncio.Lock()
 
@@ -196,11 +197,11 @@ async def _serve(fd: int, parent: int) -> None:
                 await asyncio.wait({reading, watchdog}, return_when=asyncio.FIRST_COMPLETED)
                 if not reading.done():
                     reading.cancel()
-                    return
+                    return 0
                 try:
                     message = reading.result()
                 except EOFError:
-                    return
+                    return 0
                 if message[0] == "run":
                     _, batch_id, numbered, samples = message
                     batches[batch_id] = asyncio.ensure_future(run_batch(run_one, batch_id, numbered, samples))
@@ -209,11 +210,11 @@ async def _serve(fd: int, parent: int) -> None:
                     if task is not None:
                         task.cancel()
                 elif message[0] == "stop":
-                    return
+                    return 0
     except Exception:  # noqa: BLE001  (building the rollout failed: the trainer reports it)
         with contextlib.suppress(Exception):
             await send(("failed", traceback.format_exc()))
-        raise
+        return 1
     finally:
         watchdog.cancel()
         for task in list(batches.values()):
@@ -228,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--parent", type=int, required=True, help="the trainer process's pid")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="[rollout worker %(process)d] %(levelname)s %(message)s")
-    asyncio.run(_serve(args.fd, args.parent))
+    sys.exit(asyncio.run(_serve(args.fd, args.parent)))
 
 
 # -- the trainer's side ----------------------------------------------------------------------------
@@ -273,6 +274,7 @@ class RolloutWorkers:
         self._batch_ids = itertools.count()
         self._batches: dict[int, _Batch] = {}
         self._closing = False
+        self._broken = ""  # why a worker could not be replaced: the pool runs no further batch
         self._replacing: set[asyncio.Task] = set()
 
     @property
@@ -345,6 +347,9 @@ class RolloutWorkers:
                 message = await _read(worker.reader)
             except EOFError:
                 break
+            except Exception as e:  # noqa: BLE001  (an unreadable message: the worker is replaced)
+                log.warning("rollout worker %d sent an unreadable message (%s): replacing it", worker.index, e)
+                break
             kind, batch_id = message[0], message[1]
             batch = self._batches.get(batch_id)
             if batch is None:
@@ -379,6 +384,7 @@ class RolloutWorkers:
         try:
             worker = await self._spawn(dead.index)
         except WorkerError as e:
+            self._broken = str(e)
             for batch in self._batches.values():
                 batch.events.put_nowait(("error", str(e)))
             return
@@ -402,6 +408,8 @@ class RolloutWorkers:
         as soon as its worker returns it. Closing the iterator cancels the groups still running."""
         if any(w is None for w in self._workers):
             raise RuntimeError("RolloutWorkers: start() the pool first")
+        if self._broken:
+            raise WorkerError(f"RolloutWorkers: a worker could not be replaced: {self._broken}")
         batch_id = next(self._batch_ids)
         batch = _Batch(samples_per_prompt, {g: (q, a) for g, q, a in prompts},
                        {i: set() for i in range(self.count)}, asyncio.Queue())

@@ -25,7 +25,7 @@ from rstar_jax.rollout.loop import LoopConfig
 from rstar_jax.rollout.orchestrator import Orchestrator
 from rstar_jax.rollout.tool_env import ToolEnv
 from rstar_jax.rollout.trajectory import TOKEN_FIELDS, Trajectory
-from rstar_jax.rollout.workers import RolloutWorkers, WorkerSpec, assign, rollout_runner, share
+from rstar_jax.rollout.workers import RolloutWorkers, WorkerError, WorkerSpec, assign, rollout_runner, share
 from tests.benchmark_scripts import benchmark_script
 
 GROUPS, SAMPLES = 4, 3
@@ -287,3 +287,16 @@ def test_the_run_builds_rollout_workers_and_the_trainer_rolls_out_on_them(fake_s
     assert [(t.group_id, t.sample_index) for t in one] == [(g, i) for g, _, _ in prompts for i in range(SAMPLES)]
     got, want = ([_fields(t) for t in ts] for ts in (two, one))
     assert got == want, _differences({0: got}, {0: want})
+
+
+@pytest.mark.slow
+def test_a_worker_that_cannot_build_its_rollout_is_reported():
+    spec = WorkerSpec(urls=("http://127.0.0.1:9",), sandbox_targets=("127.0.0.1:9",), loop=LoopConfig(),
+                      template=ChatTemplate(), tokenizer=("hf", "/nonexistent/tokenizer.json", None))
+
+    async def start():
+        async with RolloutWorkers(spec, 2):
+            pass
+
+    with pytest.raises(WorkerError, match=r"(?s)rollout worker \d could not build its rollout:\n.*nonexistent"):
+        asyncio.run(start())
