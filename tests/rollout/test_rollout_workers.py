@@ -147,12 +147,21 @@ def test_two_workers_give_the_in_process_trajectories(fake_stack, in_process):
     async def run():
         async with RolloutWorkers(spec, 2) as pool:
             groups = [g async for g in pool.numbered_groups(prompts, SAMPLES)]
-            collected = await pool.collect([(q, a) for _, q, a in prompts], SAMPLES, first_group_id=prompts[0][0])
-            return groups, collected, pool.pids
 
-    groups, collected, pids = asyncio.run(run())
+            async def streamed(batch):
+                return [g async for g in pool.numbered_groups(batch, SAMPLES)]
+
+            # Two batches at once (asynchronous RL runs ahead): each gets its own groups back.
+            half = len(prompts) // 2
+            first, second = await asyncio.gather(
+                streamed(prompts[:half]),
+                pool.collect([(q, a) for _, q, a in prompts[half:]], SAMPLES, first_group_id=prompts[half][0]))
+            return groups, first, second, pool.pids
+
+    groups, first, second, pids = asyncio.run(run())
     assert _by_group(groups) == in_process  # token ids, masks, log-probs, versions, rewards, tool calls
-    assert [_fields(t) for t in collected] == [t for g in sorted(in_process) for t in in_process[g]]
+    assert _by_group(first) == {g: in_process[g] for g, _, _ in prompts[:len(prompts) // 2]}
+    assert [_fields(t) for t in second] == [t for g, _, _ in prompts[len(prompts) // 2:] for t in in_process[g]]
     assert len(set(pids)) == 2
     time.sleep(0.2)
     for pid in pids:  # closed: no worker left behind
