@@ -45,6 +45,14 @@
 #                                            # engine_pallas_vs_xla=X.XX. Needs no .whl; the lease's call:
 #                                            #   run(command="bash benchmarks/gpu_suite.sh --decode-attention",
 #                                            #       timeout_s=600)
+#   bash benchmarks/gpu_suite.sh --train-variants # instead: the train step (ours only) under the remat
+#                                            # policies that keep named activations, each variant whose
+#                                            # compiled memory on CPU (benchmarks/train_step_memory.py, its
+#                                            # GPU estimate; RESULTS.md 2026-12-02) fits 30 GiB, after the
+#                                            # baseline of the same parameter dtype: tokens/s, MFU and peak
+#                                            # memory beside the plain-JAX reference's figures. The lease's call:
+#                                            #   run(command="bash benchmarks/gpu_suite.sh --train-variants",
+#                                            #       carry=[".whl"], timeout_s=600)
 #   bash benchmarks/gpu_suite.sh --smoke     # CPU-sized shapes, to check the suite itself anywhere
 #
 # Each part has its own time limit inside an overall deadline (GPU_SUITE_SECONDS, default 570 s),
@@ -76,7 +84,7 @@ if [[ "${1:-}" == "--prepare" ]]; then
     exit 0
 fi
 
-SMOKE=0 PROFILE=0 SWEEP=0 ASYNC=0 DECODE_ONLY=0 DECODE_XLA=0 LAYER_LAYOUT=0 DECODE_ATTENTION=0
+SMOKE=0 PROFILE=0 SWEEP=0 ASYNC=0 DECODE_ONLY=0 DECODE_XLA=0 LAYER_LAYOUT=0 DECODE_ATTENTION=0 TRAIN_VARIANTS=0
 for arg in "$@"; do
     case "$arg" in
         --smoke) SMOKE=1 ;;
@@ -87,7 +95,8 @@ for arg in "$@"; do
         --decode-xla) DECODE_XLA=1 ;;
         --layer-layout) LAYER_LAYOUT=1 ;;
         --decode-attention) DECODE_ATTENTION=1 ;;
-        *) echo "gpu_suite.sh: unknown argument $arg (--prepare, --smoke, --profile, --sweep, --async, --decode, --decode-xla, --layer-layout, --decode-attention)" >&2; exit 2 ;;
+        --train-variants) TRAIN_VARIANTS=1 ;;
+        *) echo "gpu_suite.sh: unknown argument $arg (--prepare, --smoke, --profile, --sweep, --async, --decode, --decode-xla, --layer-layout, --decode-attention, --train-variants)" >&2; exit 2 ;;
     esac
 done
 
@@ -249,6 +258,27 @@ if {"xla", "pallas"} <= set(runs):
 else:
     print(f"engine_pallas_vs_xla: missing runs ({sorted(runs)})")
 PYEOF
+    if (( ${#FAILED[@]} )); then echo "gpu_suite: FAILED parts: ${FAILED[*]}"; exit 1; fi
+    exit 0
+fi
+
+if (( TRAIN_VARIANTS )); then
+    part environment 30 bash -c "nvidia-smi -L 2>/dev/null || echo 'no nvidia-smi'; git log -1 --oneline 2>/dev/null || true"
+    echo "plain JAX reference (../shared/bench/README.md; one H100, 2026-11-22; Qwen3-1.7B, 4 x 4096, bf16 weights,"
+    echo "  cuDNN attention, per-layer remat, no optimizer named): 35.7K tokens/s, MFU 42.3%, 30 GiB with nothing"
+    echo "  saved across the remat boundary; 38.7K tokens/s, MFU 45.9%, 46 GiB with the matmul outputs saved"
+    # GPU estimates from the CPU plan (train_step_memory.py): bf16 parameters (and AdamW moments) with
+    # remat full 17.9 GiB (measured), save_qkv_attention 23.2, offload_mlp 23.4, save_attention 19.7,
+    # offload_named 18.2; fp32 parameters with offload_named 29.9. The baseline first, so that a
+    # deadline cuts variants rather than the figure they are read against; remat full with fp32
+    # parameters (29.6 GiB measured) last.
+    for variant in "--param-dtype bfloat16 --remat full" "--param-dtype bfloat16 --remat save_qkv_attention" \
+                   "--param-dtype bfloat16 --remat offload_mlp" "--param-dtype bfloat16 --remat save_attention" \
+                   "--param-dtype bfloat16 --remat offload_named" "--remat offload_named" "--remat full"; do
+        # shellcheck disable=SC2086  # the variant is several words on purpose
+        part "train-step $variant" 90 "$PY" benchmarks/train_step.py "${TRAIN[@]}" --no-peer $variant
+    done
+    echo; grep -E "^(plain JAX|  cuDNN|  saved|=== train-step|ours :)" "$OUT/gpu_suite.log"
     if (( ${#FAILED[@]} )); then echo "gpu_suite: FAILED parts: ${FAILED[*]}"; exit 1; fi
     exit 0
 fi
