@@ -47,14 +47,19 @@ The last line:
     python benchmarks/host_rollout.py --smoke         # seconds: 8 trajectories, the instant executor
     python benchmarks/host_rollout.py --executor instant --groups 16 --servers 4
 
-The client is one process (`run_client`): rollout worker processes (a `--workers N` that splits the
-prompts over N client processes and adds their CPU) fit in `main` without changing it.
+`--workers N` (with the real sandbox) adds a comparison of the rollout in the client process
+(`rollout.workers = 1`) with N rollout worker processes (`rstar_jax.rollout.workers`, as
+`rollout.workers = N` runs them; `run_pool_client`): the trainer process's own CPU per turn (what
+is left on the thread that dispatches JAX: handing out groups, unpacking the returned arrays) and
+the CPU of all processes together, per turn. Both run the same `WorkerSpec` (the sandbox's Verify
+as the scorer), so the trajectories are the same.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import importlib.util
 import json
@@ -327,6 +332,51 @@ async def run_client(args) -> dict:
     }
 
 
+def _cpu_of(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (/proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_pool_client(args) -> dict:
+    """The rollout in this process (`--_pool 1`) or over N worker processes, from one WorkerSpec."""
+    from rstar_jax.agent.template import ChatTemplate
+    from rstar_jax.rollout.loop import LoopConfig
+    from rstar_jax.rollout.orchestrator import Orchestrator
+    from rstar_jax.rollout.tool_env import ToolEnv
+    from rstar_jax.rollout.workers import RolloutWorkers, WorkerSpec, rollout_runner
+
+    spec = WorkerSpec(urls=tuple(f"http://127.0.0.1:{p}" for p in json.loads(args.ports)),
+                      sandbox_targets=(args.sandbox,),
+                      # The paper's bare-stdout observations: the release's carry the call's execution
+                      # time, which would make the two runs' trajectories differ whatever runs them.
+                      loop=LoopConfig(max_turns=MAX_TURNS, response_budget=BUDGET, seed=args.seed,
+                                      tool_env=ToolEnv.preset_defaults("rich", observation_style="paper")),
+                      template=ChatTemplate(), tokenizer=("hf", args.tokenizer, None), verify_via="sandbox",
+                      kv_scheduler={"reconcile_interval": 10.0}, max_concurrency=args.concurrency)
+    warm = [(10**6 + g, _question(10**6 + g), "42") for g in range(2)]
+    prompts = [(g, _question(g), "42") for g in range(args.groups)]
+    async with contextlib.AsyncExitStack() as stack:
+        if args.pool == 1:
+            run_one = await stack.enter_async_context(rollout_runner(spec))
+            runner, pids = Orchestrator(run_one, max_concurrency=spec.max_concurrency), []
+        else:
+            runner = await stack.enter_async_context(RolloutWorkers(spec, args.pool))
+            pids = runner.pids
+        await runner.collect([(q, a) for _, q, a in warm], 4, first_group_id=warm[0][0])
+        workers_cpu = sum(map(_cpu_of, pids))
+        cpu, wall = time.process_time(), time.perf_counter()
+        trajectories = await runner.collect([(q, a) for _, q, a in prompts], args.group_size)
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        workers_cpu = sum(map(_cpu_of, pids)) - workers_cpu
+    turns = sum(t.n_turns for t in trajectories)
+    return {"workers": args.pool, "trajectories": len(trajectories), "turns": turns, "cpu_s": cpu,
+            "workers_cpu_s": workers_cpu, "wall_s": wall, "trainer_ms_per_turn": 1e3 * cpu / turns,
+            "total_ms_per_turn": 1e3 * (cpu + workers_cpu) / turns,
+            "digest": hash(tuple((t.group_id, t.sample_index, tuple(t.response_ids)) for t in trajectories))}
+
+
 # -- the codec micro-benchmark (this process) ------------------------------------------------------
 def codec_table(repeat: int) -> list[tuple[str, float, float, float | None]]:
     """(codec, encode a 6K-token /generate request, decode an 800-token response, encode the
@@ -419,6 +469,17 @@ def _run_variant(args, variant: str, tok_dir: pathlib.Path, ports: list[int], sa
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def _run_pool(args, workers: int, tok_dir: pathlib.Path, ports: list[int], sandbox: str) -> dict:
+    cmd = [sys.executable, __file__, "--_pool", str(workers), "--tokenizer", str(tok_dir), "--ports", json.dumps(ports),
+           "--groups", str(args.groups), "--group-size", str(args.group_size), "--concurrency", str(args.concurrency),
+           "--seed", str(args.seed), "--sandbox", sandbox]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        sys.stderr.write(done.stdout + done.stderr)
+        raise RuntimeError(f"the {workers}-worker client failed (exit {done.returncode})")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def _mb(n: float) -> str:
     return f"{n / 2**20:,.1f} MB"
 
@@ -440,9 +501,12 @@ def main() -> None:
     p.add_argument("--step-s", type=float, default=PAPER_STEP_S, help="the paper's simulated step (s)")
     p.add_argument("--rollout-s", type=float, default=PAPER_ROLLOUT_S, help="its rollout (s)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1, help="also compare the rollout in the client process with this "
+                   "many rollout worker processes (needs the real sandbox; default %(default)s: no comparison)")
     # internal: the processes this script starts
     p.add_argument("--_fake-servers", dest="fake_servers", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--_client", dest="variant", choices=tuple(VARIANTS), help=argparse.SUPPRESS)
+    p.add_argument("--_pool", dest="pool", type=int, help=argparse.SUPPRESS)
     p.add_argument("--tokenizer", help=argparse.SUPPRESS)
     p.add_argument("--ports", help=argparse.SUPPRESS)
     p.add_argument("--sandbox", help=argparse.SUPPRESS)
@@ -455,9 +519,14 @@ def main() -> None:
     if args.variant:
         print(json.dumps(asyncio.run(run_client(args))))
         return
+    if args.pool:
+        print(json.dumps(asyncio.run(run_pool_client(args))))
+        return
     if args.smoke:
         args.groups, args.group_size, args.repeats = 2, 4, 1
     args.executor = args.executor or ("instant" if args.smoke else "sandbox")
+    if args.workers > 1 and args.executor != "sandbox":
+        p.error("--workers needs --executor sandbox (worker processes reach the sandbox over gRPC)")
 
     started = time.perf_counter()
     print(f"machine: {_cpu_model()}; {platform.python_implementation()} {platform.python_version()}; "
@@ -488,6 +557,7 @@ def main() -> None:
                     r = _run_variant(args, variant, tok_dir, ports, target)
                     if variant not in results or r["cpu_s"] < results[variant]["cpu_s"]:
                         results[variant] = r
+            pools = [_run_pool(args, n, tok_dir, ports, target) for n in (1, args.workers)] if args.workers > 1 else []
         finally:
             if sandbox_cm is not None:
                 sandbox_cm.__exit__(None, None, None)
@@ -506,6 +576,14 @@ def main() -> None:
               f"{_mb(r['peak_rss_per_1k']):>17} {r['cpu_s']:>7.1f} {r['wall_s']:>7.1f} {r['dtype']:>10}")
     print(f"  ours / baseline: {ours['ms_per_turn'] / base['ms_per_turn']:.2f}x CPU per turn, "
           f"{ours['bytes_per_token'] / base['bytes_per_token']:.2f}x bytes per held token")
+
+    if pools:
+        print(f"\nrollout worker processes ({pools[0]['trajectories']} trajectories, {pools[0]['turns']} turns; the "
+              f"sandbox's Verify scores; same trajectories: {pools[0]['digest'] == pools[1]['digest']}):")
+        print(f"  {'workers':>7} {'trainer ms CPU/turn':>19} {'all processes ms CPU/turn':>25} {'wall s':>7}")
+        for r in pools:
+            print(f"  {r['workers']:>7} {r['trainer_ms_per_turn']:>19.3f} {r['total_ms_per_turn']:>25.3f} "
+                  f"{r['wall_s']:>7.1f}")
 
     turns, calls, paper_tokens = paper_turns(args.seed)
     measured_tokens = ours["tokens"] / ours["trajectories"]
