@@ -309,3 +309,29 @@ def test_a_worker_that_cannot_build_its_rollout_is_reported():
 
     with pytest.raises(WorkerError, match=r"(?s)rollout worker \d could not build its rollout:\n.*nonexistent"):
         asyncio.run(start())
+
+
+@pytest.mark.slow
+def test_an_rl_stage_runs_on_rollout_workers(tmp_path):
+    """`python -m rstar_jax.launch` with `rollout.workers=2` on two `rstar_jax.serve` servers: the
+    step's trajectories come from the workers, which end with the run."""
+    import json
+    import re
+
+    from tests.conftest import TINY_TEST_TASK, xla_flags
+
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "rstar_jax.launch", f"--config={pathlib.Path(__file__).resolve().parents[2]}/configs/tiny.py",
+         f"--config.run_dir={run}", *TINY_TEST_TASK, "--config.sft.before_rl=False", "--config.train.steps=1",
+         "--config.rollout.backend=sglang", "--config.rollout.local_servers=2", "--config.rollout.workers=2",
+         "--config.metrics.progress_bar=false"],
+        cwd=tmp_path, env={**os.environ, "XLA_FLAGS": xla_flags()}, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    pids = re.search(r"\[rl\] rollout: 2 worker processes \(pids (\d+) (\d+)\)", result.stdout)
+    assert pids and "[rl] done" in result.stdout, result.stdout[-2000:]
+    assert not any(_alive(int(p)) for p in pids.groups())
+    records = [json.loads(line) for line in (run / "rollouts" / "step_000001.jsonl").read_text().splitlines()]
+    metrics = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert len(records) == metrics["rollout/num_trajectories"] > 0
+    assert sorted({r["group_id"] for r in records}) == list(range(len(records) // len({r["sample_index"] for r in records})))
