@@ -45,6 +45,7 @@ import itertools
 import logging
 import os
 import pickle
+import signal
 import socket
 import struct
 import sys
@@ -166,7 +167,10 @@ async def _serve(fd: int, parent: int) -> int:
             writer.write(_frame(message))
             await writer.drain()
 
-    spec, rid_base = await _read(reader)
+    try:
+        spec, rid_base = await _read(reader)
+    except EOFError:
+        return 0
     rollout_loop.set_rid_base(rid_base)
     batches: dict[int, asyncio.Task] = {}
 
@@ -191,35 +195,38 @@ async def _serve(fd: int, parent: int) -> int:
     watchdog = asyncio.ensure_future(orphaned())
     try:
         async with rollout_runner(spec) as run_one:
-            await send(("ready", os.getpid()))
-            while True:
-                reading = asyncio.ensure_future(_read(reader))
-                await asyncio.wait({reading, watchdog}, return_when=asyncio.FIRST_COMPLETED)
-                if not reading.done():
-                    reading.cancel()
-                    return 0
-                try:
-                    message = reading.result()
-                except EOFError:
-                    return 0
-                if message[0] == "run":
-                    _, batch_id, numbered, samples = message
-                    batches[batch_id] = asyncio.ensure_future(run_batch(run_one, batch_id, numbered, samples))
-                elif message[0] == "cancel":
-                    task = batches.pop(message[1], None)
-                    if task is not None:
-                        task.cancel()
-                elif message[0] == "stop":
-                    return 0
+            try:
+                await send(("ready", os.getpid()))
+                while True:
+                    reading = asyncio.ensure_future(_read(reader))
+                    await asyncio.wait({reading, watchdog}, return_when=asyncio.FIRST_COMPLETED)
+                    if not reading.done():
+                        reading.cancel()
+                        return 0
+                    try:
+                        message = reading.result()
+                    except EOFError:
+                        return 0
+                    if message[0] == "run":
+                        _, batch_id, numbered, samples = message
+                        batches[batch_id] = asyncio.ensure_future(run_batch(run_one, batch_id, numbered, samples))
+                    elif message[0] == "cancel":
+                        task = batches.pop(message[1], None)
+                        if task is not None:
+                            task.cancel()
+                    elif message[0] == "stop":
+                        return 0
+            finally:  # trajectories still running are cancelled (their requests aborted) before the clients close
+                running = list(batches.values())
+                for task in running:
+                    task.cancel()
+                await asyncio.gather(*running, return_exceptions=True)
     except Exception:  # noqa: BLE001  (building the rollout failed: the trainer reports it)
         with contextlib.suppress(Exception):
             await send(("failed", traceback.format_exc()))
         return 1
     finally:
         watchdog.cancel()
-        for task in list(batches.values()):
-            task.cancel()
-        await asyncio.gather(*batches.values(), return_exceptions=True)
         writer.close()
 
 
@@ -228,6 +235,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--fd", type=int, required=True, help="the socket to the trainer process")
     p.add_argument("--parent", type=int, required=True, help="the trainer process's pid")
     args = p.parse_args(argv)
+    # A Ctrl-C reaches the whole process group: the trainer process handles it, and its workers end
+    # when it closes their sockets.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="[rollout worker %(process)d] %(levelname)s %(message)s")
     sys.exit(asyncio.run(_serve(args.fd, args.parent)))
 
@@ -293,12 +303,12 @@ class RolloutWorkers:
         await self.close()
 
     async def start(self) -> "RolloutWorkers":
-        try:
-            workers = await asyncio.gather(*(self._spawn(i) for i in range(self.count)))
-        except BaseException:
-            await self.close()
-            raise
-        for worker in workers:
+        started = await asyncio.gather(*(self._spawn(i) for i in range(self.count)), return_exceptions=True)
+        failed = [e for e in started if isinstance(e, BaseException)]
+        if failed:
+            await asyncio.gather(*(self._end(w) for w in started if isinstance(w, _Worker)))
+            raise failed[0]
+        for worker in started:
             self._install(worker)
         return self
 

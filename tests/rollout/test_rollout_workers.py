@@ -156,6 +156,12 @@ def test_two_workers_give_the_in_process_trajectories(fake_stack, in_process):
             first, second = await asyncio.gather(
                 streamed(prompts[:half]),
                 pool.collect([(q, a) for _, q, a in prompts[half:]], SAMPLES, first_group_id=prompts[half][0]))
+            # A batch left early is cancelled in the workers; the pool goes on with the next one.
+            async with contextlib.aclosing(pool.numbered_groups(prompts, SAMPLES)) as stream:
+                await anext(stream)
+            assert not any(pool.outstanding(i) for i in range(2))
+            again = [g async for g in pool.numbered_groups(prompts[:1], SAMPLES)]
+            assert _by_group(again) == {prompts[0][0]: in_process[prompts[0][0]]}
             return groups, first, second, pool.pids
 
     groups, first, second, pids = asyncio.run(run())
