@@ -48,6 +48,7 @@ class CompiledStep:
     temp_bytes: int
     data_bytes: int  # per device, of argument_bytes: the batch (training) or the KV page pool (engine)
     compile_s: float
+    host_temp_bytes: int = 0  # temporaries in host memory: activations a remat policy offloads there
 
     @property
     def peak_bytes(self) -> int:
@@ -98,7 +99,7 @@ def _measure(name: str, jitted, args, *, data) -> CompiledStep:
     memory = jitted.lower(*args).compile().memory_analysis()
     return CompiledStep(name, int(memory.argument_size_in_bytes), int(memory.output_size_in_bytes),
                         int(memory.alias_size_in_bytes), int(memory.temp_size_in_bytes), _per_device_bytes(data),
-                        time.perf_counter() - t0)
+                        time.perf_counter() - t0, int(getattr(memory, "host_temp_size_in_bytes", 0) or 0))
 
 
 def _abstract_model(config, mesh):

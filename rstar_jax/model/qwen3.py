@@ -54,13 +54,14 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.floa
 # post-attention norm reads).
 REMAT_NAMES = ("query_proj", "key_proj", "value_proj", "attention_out", "out_proj", "mlp_gate", "mlp_up")
 _QKV_ATTENTION = ("query_proj", "key_proj", "value_proj", "attention_out")
-_OFFLOADED = {"offload_mlp": ("out_proj", "mlp_gate", "mlp_up"), "offload_named": REMAT_NAMES}
+# The names each offloading policy moves to pinned host memory (the rest of REMAT_NAMES stay on the device).
+REMAT_OFFLOADED = {"offload_mlp": ("out_proj", "mlp_gate", "mlp_up"), "offload_named": REMAT_NAMES}
 
 
 def _offload(name: str):
-    saved = tuple(n for n in REMAT_NAMES if n not in _OFFLOADED[name])
+    saved = tuple(n for n in REMAT_NAMES if n not in REMAT_OFFLOADED[name])
     return jax.checkpoint_policies.save_and_offload_only_these_names(
-        names_which_can_be_saved=saved, names_which_can_be_offloaded=_OFFLOADED[name],
+        names_which_can_be_saved=saved, names_which_can_be_offloaded=REMAT_OFFLOADED[name],
         offload_src="device", offload_dst="pinned_host")
 
 
@@ -83,7 +84,7 @@ REMAT_POLICIES = {
 def check_remat_backend(policy: str) -> None:
     """Refuses an offloading remat policy where the default backend's devices have no pinned host
     memory to offload to (XLA would fail at compile time with a less telling message)."""
-    if policy not in _OFFLOADED:
+    if policy not in REMAT_OFFLOADED:
         return
     device = jax.devices()[0]
     kinds = {m.kind for m in device.addressable_memories()}
@@ -613,5 +614,5 @@ __all__: Sequence[str] = (
     "Qwen3Config", "Qwen3", "PagedKVCache", "abstract_model", "param_logical_axes", "sequence_positions",
     "unstack_layers", "DECODE_ATTENTIONS",
     "dtype_name", "DTYPE_NAMES", "REMAT_NAMES", "REMAT_POLICIES", "REMAT_POLICY_NAMES", "ATTENTION_IMPLS",
-    "check_remat_backend", "blockwise_attention",
+    "REMAT_OFFLOADED", "check_remat_backend", "blockwise_attention",
 )
