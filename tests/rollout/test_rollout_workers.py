@@ -30,8 +30,11 @@ from tests.benchmark_scripts import benchmark_script
 
 GROUPS, SAMPLES = 4, 3
 # The release's observations end with the call's execution time, which no two runs share (in one
-# process or several): the paper's bare stdout makes a trajectory a function of its seed alone.
-PAPER_TOOLS = ToolEnv.preset_defaults("rich", observation_style="paper")
+# process or several): the paper's bare stdout makes a trajectory a function of its seed alone. A
+# call or a verification that ran past its limit on a loaded machine would change it too: the limits
+# here leave room for a machine shared with other jobs.
+SLOW_MACHINE_S = 120.0
+PAPER_TOOLS = ToolEnv.preset_defaults("rich", observation_style="paper", timeout_s=SLOW_MACHINE_S)
 
 
 # -- unit: the assignment ----------------------------------------------------------------------------
@@ -83,7 +86,9 @@ def fake_stack(sandbox_target):
             spec = WorkerSpec(urls=tuple(f"http://127.0.0.1:{p}" for p in ports), sandbox_targets=(sandbox_target,),
                               loop=LoopConfig(max_turns=10, response_budget=12_288, seed=0, tool_env=PAPER_TOOLS),
                               template=ChatTemplate(), tokenizer=("hf", str(tok_dir), None),
-                              verify_via="sandbox", kv_scheduler={"reconcile_interval": 10.0}, max_concurrency=4)
+                              verify_via="sandbox", verify_timeout_s=SLOW_MACHINE_S,
+                              kv_scheduler={"reconcile_interval": 10.0}, max_concurrency=4,
+                              generator={"connect_timeout_s": SLOW_MACHINE_S})
             yield spec, [(g, bench._question(g), "42") for g in range(100, 100 + GROUPS)]
         finally:
             servers.kill()
@@ -257,7 +262,8 @@ def test_two_workers_give_the_in_process_trajectories_on_serve_servers(sandbox_t
         spec = WorkerSpec(urls=tuple(s.url for s in servers), sandbox_targets=(sandbox_target,),
                           loop=LoopConfig(max_turns=2, response_budget=96, seed=0, tool_env=PAPER_TOOLS),
                           template=ChatTemplate.bare(), tokenizer=("byte", None, None), verify_via="sandbox",
-                          max_concurrency=8)
+                          verify_timeout_s=SLOW_MACHINE_S, max_concurrency=8,
+                          generator={"connect_timeout_s": SLOW_MACHINE_S})
         prompts = [(g, f"What is {g} times 7?", str(7 * g)) for g in range(4)]
         reference = _by_group(asyncio.run(_in_process(spec, prompts, 3)))
         assert sorted(reference) == list(range(4))
@@ -283,6 +289,7 @@ def test_the_run_builds_rollout_workers_and_the_trainer_rolls_out_on_them(fake_s
         "rollout.backend": "sglang", "rollout.servers": spec.urls, "tokenizer.kind": "hf",
         "tokenizer.path": spec.tokenizer[1], "sandbox.launch_local": False, "sandbox.targets": spec.sandbox_targets,
         "sandbox.verify_via": "sandbox", "sandbox.preset": "rich", "rollout.observation_style": "paper",
+        "sandbox.timeout_s": SLOW_MACHINE_S, "sandbox.verify_timeout_s": SLOW_MACHINE_S,
         "rollout.rollouts_per_prompt": SAMPLES, "rl.group_size": 2, "rollout.max_concurrency": 4,
         "rollout.max_turns": 10, "rollout.response_budget": 12_288})
 
