@@ -7,12 +7,16 @@ tokens are recognised as whole strings when encoding.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import operator
 import os
 import pathlib
 import re
 from typing import Protocol, Sequence
+
+import numpy as np
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +154,10 @@ class HFTokenizer:
         pad = self._tok.token_to_id(ENDOFTEXT)
         self.pad_id = pad if pad is not None else self.eos_id
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # decode() reads each token's bytes from a table (built on first use) where the decoder is
+        # tokenizers' plain ByteLevel one; else it asks tokenizers.
+        self._byte_level = type(self._tok.decoder).__name__ == "ByteLevel"
+        self._byte_tables: dict[bool, list[bytes]] = {}
         source = file.parent if generation_config is None else pathlib.Path(generation_config)
         eos = _generation_eos(source, required=generation_config is not None) or []
         # An eos id no token of this vocabulary has (a transformers-made tiny model keeps Qwen's
@@ -169,16 +177,73 @@ class HFTokenizer:
         return encoding.ids, [tuple(span) for span in encoding.offsets]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
-        # An integer array (numpy, rstar_jax.rollout.tokens.TokenArray) converts in one call.
-        as_list = ids.tolist() if getattr(getattr(ids, "dtype", None), "kind", "") in ("i", "u") else None
-        return self._tok.decode(as_list if as_list is not None else [int(i) for i in ids],
-                                skip_special_tokens=skip_special_tokens)
+        """`tokenizers`' decode of `ids`. Where the vocabulary's decoder is byte-level (Qwen's, GPT-2's),
+        the same string is read from a table of each token's bytes (built on first use), without
+        tokenizers' per-token work: about a sixth of its time for a 1,200-token turn."""
+        table = self._byte_tables.get(skip_special_tokens)
+        if table is None and self._byte_level:
+            table = self._byte_tables[skip_special_tokens] = self._byte_table(skip_special_tokens)
+        if getattr(getattr(ids, "dtype", None), "kind", "") in ("i", "u"):
+            # An integer array (numpy, rstar_jax.rollout.tokens.TokenArray) converts in one call.
+            array = np.asarray(ids)
+            as_list = array.tolist()
+            tabled = table is not None and array.ndim == 1 and (
+                not array.size or (int(array.min()) >= 0 and int(array.max()) < len(table)))
+        else:
+            as_list = [int(i) for i in ids]
+            tabled = table is not None and (not as_list or (min(as_list) >= 0 and max(as_list) < len(table)))
+        if tabled:
+            if len(as_list) > 1:
+                raw = b"".join(operator.itemgetter(*as_list)(table))
+            else:
+                raw = table[as_list[0]] if as_list else b""
+            return raw.decode("utf-8", "replace")
+        # Not byte-level, or an id outside the vocabulary (tokenizers drops one past it, refuses a
+        # negative one): tokenizers itself.
+        return self._tok.decode(as_list, skip_special_tokens=skip_special_tokens)
+
+    def _byte_table(self, skip_special_tokens: bool) -> list[bytes]:
+        """Each id's bytes as `tokenizers`' ByteLevel decoder gives them: the token's characters
+        mapped back through GPT-2's byte-to-character table, or, when one of them is not in it (an
+        added token with a space, say), the token's own UTF-8; b"" for an id with no token and, when
+        `skip_special_tokens`, for the special tokens. The decoder joins every token's bytes and
+        decodes them once, invalid sequences replaced (Rust's `from_utf8_lossy`, which replaces as
+        Python's "replace" handler does: one U+FFFD per maximal invalid subsequence)."""
+        byte_of, outside = _byte_level_chars()
+        specials = set()
+        if skip_special_tokens:
+            specials = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        table = []
+        for i in range(self._tok.get_vocab_size(with_added_tokens=True)):
+            token = self._tok.id_to_token(i)
+            if token is None or token in specials:
+                table.append(b"")
+                continue
+            # A character outside the alphabet: the decoder takes the token's own UTF-8.
+            table.append(token.encode() if token.translate(outside) else token.translate(byte_of).encode("latin-1"))
+        return table
 
     def token_to_id(self, token: str) -> int:
         tid = self._tok.token_to_id(token)
         if tid is None:
             raise KeyError(f"{token!r} is not in the tokenizer's vocabulary")
         return tid
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_chars() -> tuple[dict[int, int], dict[int, None]]:
+    """GPT-2's byte-level alphabet as two `str.translate` tables: each of its characters to its byte
+    (a code point below 256, so that the translated text's latin-1 encoding is the token's bytes),
+    as `tokenizers`' ByteLevel decoder reads a token back; and each of its characters deleted (what
+    is left of a token is what the alphabet lacks)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: b for b in printable}
+    shifted = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = 256 + shifted
+            shifted += 1
+    return {char: byte for byte, char in chars.items()}, dict.fromkeys(chars.values())
 
 
 def _generation_eos(path: pathlib.Path, *, required: bool) -> list[int] | None:
