@@ -2,7 +2,8 @@
 
 The real client stack drives trajectories to their end, as a trainer process does:
 - `Orchestrator` + `run_trajectory` (rstar_jax.rollout.loop), `KvScheduler`, one `SGLangGenerator`
-  per server over real HTTP (aiohttp, keep-alive) to N fake SGLang servers on 127.0.0.1;
+  per server over real HTTP (keep-alive: its lean HTTP/1.1 client for `/generate`, aiohttp for the
+  rest) to N fake SGLang servers on 127.0.0.1;
 - the real `SandboxClient` over gRPC to a real sandbox (`python -m sandbox_service`, started here on
   loopback through `sandbox_service.launcher.LocalSandbox`), or `--executor instant`: an
   in-process executor that answers at once;
@@ -24,7 +25,7 @@ Each variant runs in a fresh client process; its process CPU time (`time.process
 system, every thread) over the measured batch is the host cost. Trajectories are held until the
 batch ends, as the trainer holds them until the update:
 - ours: the defaults (`SGLangGenerator(codec="orjson")`, `LoopConfig(token_buffers="array")`);
-- baseline: the standard library's JSON through aiohttp with Python-list buffers
+- baseline: the standard library's JSON through aiohttp (for every route) with Python-list buffers
   (`codec="json"`, `token_buffers="list"`), the path before.
 
 Figures per variant: host CPU ms per turn (a turn = one `/generate` request with everything around

@@ -46,6 +46,12 @@ tokens, which only a standard-library server writes) is read by the standard lib
 `codec="json"` keeps the path before: the standard library through aiohttp's `json=`, Python lists
 of ids and log-probs (the baseline `benchmarks/host_rollout.py` measures beside it).
 
+Transport: with the orjson codec, `/generate` to a plain-HTTP server goes through a lean HTTP/1.1
+client (`rstar_jax.rollout.http1`: kept-alive connections pooled per server, up to
+`max_connections`, the same connect and total timeouts), about half the CPU of aiohttp's per request;
+the control plane, https URLs and `codec="json"` use aiohttp. Its failures are classified as
+aiohttp's are: a refused connection is retried, a broken one after the request was written is not.
+
 Errors: connection failures and HTTP 502/503/504 are retried a bounded number of times with
 exponential backoff (a `/generate` only when it cannot have reached the server), then raise
 `SGLangUnavailable` naming the server, endpoint and last error; so do other 5xx answers and timeouts
@@ -77,6 +83,7 @@ from rstar_jax.rollout.protocol import (
     SamplingParams,
     new_rid,
 )
+from rstar_jax.rollout.http1 import Http1Pool, HttpConnectError, HttpError
 from rstar_jax.rollout.tokens import TokenArray
 from rstar_jax.rollout.sglang_errors import (  # noqa: F401  (re-exported)
     ABSENT_STATUSES,
@@ -106,6 +113,7 @@ _warned_nondeterministic: set[str] = set()  # servers already warned about (once
 CODECS = ("orjson", "json")
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _JSON_HEADERS = {"Content-Type": "application/json"}
+_LEAN_ROUTES = frozenset({"/generate"})  # what the lean HTTP/1.1 client sends (the rollout's hot path)
 
 
 def parse_generate_response(body: dict, *, url: str = "server", arrays: bool = False) -> GenerateResult:
@@ -247,6 +255,9 @@ class SGLangGenerator(SGLangWeightsMixin):
                                   aiohttp.ClientTimeout(total=generate_timeout_s, connect=connect_timeout_s))
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        # /generate (with the orjson codec, to a plain-HTTP server) goes through the lean HTTP/1.1
+        # client; everything else through aiohttp's session.
+        self._lean, self._lean_prefix = _lean_pool(self.base_url, max_connections) if codec == "orjson" else (None, "")
         self._urls: dict[str, yarl.URL] = {}
         self._version = 0
         self._info: dict | None = None  # /get_server_info, cached: server arguments do not change
@@ -270,6 +281,8 @@ class SGLangGenerator(SGLangWeightsMixin):
         await self.close()
 
     async def close(self) -> None:
+        if self._lean is not None:
+            self._lean.close()
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -295,6 +308,7 @@ class SGLangGenerator(SGLangWeightsMixin):
             target = self._urls[path] = yarl.URL(url)
         attempts = 1 + (self.retries if retry else 0)
         last_error, tried = "", 0
+        lean = self._lean if path in _LEAN_ROUTES and payload is not None else None
         for attempt in range(attempts):
             tried = attempt + 1
             if self.codec == "json":
@@ -302,27 +316,34 @@ class SGLangGenerator(SGLangWeightsMixin):
             else:
                 body_args = {} if payload is None else {"data": _dumps(payload), "headers": _JSON_HEADERS}
             try:
-                async with self._get_session().request(method, target, **body_args,
-                                                       timeout=timeout or self._timeout) as response:
-                    if self.codec == "json":
-                        text = await response.text()
-                    else:
-                        raw = await response.read()
-                    retryable = RETRY_STATUSES if idempotent else (503,)
-                    if response.status in retryable and attempt + 1 < attempts:
-                        if self.codec != "json":
-                            text = raw[:400].decode("utf-8", "replace")
-                        last_error = f"HTTP {response.status}: {text[:200]}"
-                    else:
-                        body = _maybe_json(text) if self.codec == "json" else _loads(raw)
-                        if response.status not in ok_statuses:
-                            kind = (SGLangRejected if 400 <= response.status < 500 else
-                                    SGLangUnavailable if response.status >= 500 else SGLangError)
-                            raise kind(f"{url}: HTTP {response.status}: {error_message(body)}")
-                        return response.status, body
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
+                if lean is not None:  # the hot path: the lean HTTP/1.1 client (rstar_jax.rollout.http1)
+                    limits = timeout or self._timeout
+                    status, raw = await lean.request(method, self._lean_prefix + path, body_args["data"],
+                                                     timeout=limits.total, connect_timeout=limits.connect)
+                else:
+                    async with self._get_session().request(method, target, **body_args,
+                                                           timeout=timeout or self._timeout) as response:
+                        status = response.status
+                        if self.codec == "json":
+                            text = await response.text()
+                        else:
+                            raw = await response.read()
+                retryable = RETRY_STATUSES if idempotent else (503,)
+                if status in retryable and attempt + 1 < attempts:
+                    if self.codec != "json":
+                        text = raw[:400].decode("utf-8", "replace")
+                    last_error = f"HTTP {status}: {text[:200]}"
+                else:
+                    body = _maybe_json(text) if self.codec == "json" else _loads(raw)
+                    if status not in ok_statuses:
+                        kind = (SGLangRejected if 400 <= status < 500 else
+                                SGLangUnavailable if status >= 500 else SGLangError)
+                        raise kind(f"{url}: HTTP {status}: {error_message(body)}")
+                    return status, body
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError, HttpError) as e:
                 last_error = f"{type(e).__name__}: {e}"
-                if attempt + 1 >= attempts or not (idempotent or isinstance(e, aiohttp.ClientConnectorError)):
+                if attempt + 1 >= attempts or not (
+                        idempotent or isinstance(e, (aiohttp.ClientConnectorError, HttpConnectError))):
                     break
             delay = self.backoff_s * 2 ** attempt
             log.warning("%s failed (%s); retry %d/%d in %.1fs", url, last_error, attempt + 1, attempts - 1, delay)
@@ -546,6 +567,18 @@ class SGLangGenerator(SGLangWeightsMixin):
                                   f"last answer: {detail}")
             await asyncio.sleep(min(delay, left))
             delay = min(delay * 2, max_interval_s)
+
+
+def _lean_pool(base_url: str, limit: int) -> tuple[Http1Pool | None, str]:
+    """The lean client's pool for `base_url` and the path prefix its requests carry; (None, "") for
+    a URL it does not serve (https, credentials, a query), which aiohttp then reaches."""
+    try:
+        url = yarl.URL(base_url)
+    except (TypeError, ValueError):
+        return None, ""
+    if url.scheme != "http" or not url.host or url.user or url.password or url.query_string or url.fragment:
+        return None, ""
+    return Http1Pool(url.host, url.port or 80, limit=limit), url.raw_path.rstrip("/")
 
 
 def _config_vocab_size(model_path: Any) -> int | None:
