@@ -77,7 +77,12 @@ def _holds(dtype: np.dtype, values: np.ndarray) -> bool:
             values.dtype.kind == "f" and values.dtype.itemsize <= dtype.itemsize):
         return True
     # a float buffer narrower than the values: exact when the round trip gives the same numbers
-    return bool(np.array_equal(values.astype(dtype).astype(values.dtype), values, equal_nan=True))
+    narrowed = values.astype(dtype)
+    if values.dtype.kind == "f" and (narrowed == values).all():
+        # float values compared with their narrowed copy in the wider type (which holds the narrow
+        # values exactly); a NaN, never equal to itself, takes the comparison below
+        return True
+    return bool(np.array_equal(narrowed.astype(values.dtype), values, equal_nan=True))
 
 
 def _holds_scalar(dtype: np.dtype, value) -> bool:
