@@ -231,6 +231,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.weight_decay = 0.01  # spec §5.3: verl default
     c.optim.grad_clip = 1.0  # spec §5.3: verl default
     c.optim.reset_at_start = False  # spec §5.3: True for stage 3 (optimizer state reset)
+    # "float32": with model.param_dtype = "bfloat16" the optimizer state keeps an fp32 master copy of
+    # the weights and AdamW updates it (rounded into the bf16 parameters after each step): bf16 matmuls
+    # without a cast per step, and updates below bf16's resolution (lr 1e-6 on weights ~1e-2) still
+    # accumulate. "" = the parameters are the master (what model.param_dtype = "float32" needs).
+    c.optim.master_weights = ""
 
     c.train = ml_collections.ConfigDict()
     # spec §5.3: stage 1 runs 300 steps. A step whose groups RoC all dropped (all-equal rewards)

@@ -34,7 +34,7 @@ from rstar_jax.app import builders
 from rstar_jax.train.batching import TrainingSequence, make_micro_batches
 from rstar_jax.train.rl_batch import row_length_for
 from rstar_jax.train.sft import _sft_step
-from rstar_jax.train.step import OptimizerConfig, _train_step, batch_sharding, make_tx
+from rstar_jax.train.step import OptimizerConfig, _train_step, batch_sharding, optimizer_for
 
 DEVICE_MEMORY = {"MI300X": 192e9, "H100": 80e9}
 
@@ -121,8 +121,7 @@ def abstract_policy(config, mesh):
 
 def abstract_policy_for(model_config: Qwen3Config, optimizer_config: OptimizerConfig, mesh, rules):
     """`abstract_policy` without a recipe config: a model config, an optimizer config and rules."""
-    tx = make_tx(optimizer_config)
-    optimizer = nnx.eval_shape(lambda: nnx.Optimizer(Qwen3(model_config, rngs=nnx.Rngs(0)), tx, wrt=nnx.Param))
+    optimizer = nnx.eval_shape(lambda: optimizer_for(Qwen3(model_config, rngs=nnx.Rngs(0)), optimizer_config))
     opt_def, opt_state = nnx.split(optimizer)
     opt_abstract = _abstract(opt_state, state_shardings(opt_state, mesh, rules))
     return _abstract_model_for(model_config, mesh, rules)[0], (opt_def, opt_abstract)

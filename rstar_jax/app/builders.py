@@ -64,6 +64,7 @@ from rstar_jax.app.kv_pool import CONFIG_NAMES, kv_pool_tokens
 from rstar_jax.train.metrics import MetricsWriter
 from rstar_jax.train.rl_batch import row_length_for
 from rstar_jax.train.sft import SftBatches, SftSkips, sft_sequences
+from rstar_jax.train.step import with_master_weights
 from rstar_jax.train.weight_sync import DiskSync, DistributedSync, EngineSync, WeightSync
 from sandbox_service import selftest
 from sandbox_service.client import SandboxClient
@@ -385,10 +386,13 @@ def metrics_writer(config) -> MetricsWriter:
 
 
 
-def export_hf(config, model: Qwen3, tokenizer: Tokenizer, path: str | os.PathLike) -> pathlib.Path:
+def export_hf(config, model: Qwen3, tokenizer: Tokenizer, path: str | os.PathLike, optimizer=None) -> pathlib.Path:
     """A run's HF export: `checkpoint.export_dtype`, the tokenizer files of an `hf` tokenizer (from
     `tokenizer.path`, else `model.hf_path`) and a generation config stopping on the tokenizer's `stop_ids`, so
-    the next stage, `evaluate`, transformers and SGLang can all start from the directory."""
+    the next stage, `evaluate`, transformers and SGLang can all start from the directory. With an
+    `optimizer` that keeps master weights (`optim.master_weights`) the tensors are the master's, cast
+    to the export dtype (an fp32 export carries their full precision)."""
+    model = with_master_weights(model, optimizer)
     source = config.tokenizer.path or config.model.hf_path
     tokenizer_dir = None
     if config.tokenizer.kind == "hf" and source:
@@ -401,7 +405,7 @@ def checkpointer(config, model: Qwen3, tokenizer: Tokenizer) -> Checkpointer:
     """`<run_dir>/checkpoints`; HF exports (the live model, `export_hf`) to `<run_dir>/hf/step_N`."""
     run_dir, c = pathlib.Path(config.run_dir), config.checkpoint
     return Checkpointer(run_dir / "checkpoints", max_to_keep=c.max_to_keep, async_save=c.async_save,
-                        save_every=c.every_steps, export_hf=lambda _, path: export_hf(config, model, tokenizer, path),
+                        save_every=c.every_steps, export_hf=lambda _, path, optimizer: export_hf(config, model, tokenizer, path, optimizer),
                         export_every=c.export_hf_every, export_dir=run_dir / "hf")
 
 

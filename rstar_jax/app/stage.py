@@ -57,23 +57,22 @@ def _run_stage(config, run_dir: pathlib.Path, targets: list[str]) -> dict:
     try:
         # A resumed RL run restores the policy from its checkpoint: the warm-up already happened.
         warm_up = config.mode == "rl" and config.sft.before_rl and checkpointer.latest_step() is None
+        # The next stage starts from the final export: `--config.model.hf_path=<run_dir>/hf/final`.
+        final = run_dir / "hf" / "final" if config.checkpoint.export_hf_final else None
         if config.mode == "sft" or warm_up:
             if not sft_files:
                 raise ConfigError("config.sft.train_files: the SFT stage needs a conversations file")
             if warm_up:
                 with builders.warm_up_checkpointer(config) as warm_up_checkpointer:
                     summary.update(run_sft(config, model, mesh, tokenizer, template, sft_files, metrics,
-                                           warm_up_checkpointer))
+                                           warm_up_checkpointer,  # the policy RL starts from
+                                           export_to=run_dir / "hf" / "sft_warmup" if final else None))
             else:
-                summary.update(run_sft(config, model, mesh, tokenizer, template, sft_files, metrics, checkpointer))
-            if warm_up and config.checkpoint.export_hf_final:
-                builders.export_hf(config, model, tokenizer, run_dir / "hf" / "sft_warmup")  # the policy RL starts from
+                summary.update(run_sft(config, model, mesh, tokenizer, template, sft_files, metrics, checkpointer,
+                                       export_to=final))
         if config.mode == "rl":
             summary.update(run_rl(config, model, mesh, tokenizer, template, train_files, metrics, checkpointer,
-                                  targets))
-        if config.checkpoint.export_hf_final:
-            # The next stage starts from here: `--config.model.hf_path=<run_dir>/hf/final`.
-            builders.export_hf(config, model, tokenizer, run_dir / "hf" / "final")
+                                  targets, export_to=final))
     finally:
         checkpointer.close()
         metrics.close()
@@ -81,11 +80,13 @@ def _run_stage(config, run_dir: pathlib.Path, targets: list[str]) -> dict:
 
 
 def run_sft(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTemplate, conversation_files,
-            metrics: MetricsWriter, checkpointer: Checkpointer | None = None) -> dict:
+            metrics: MetricsWriter, checkpointer: Checkpointer | None = None, *,
+            export_to: pathlib.Path | None = None) -> dict:
     """The SFT stage (or RL's warm-up): assistant-token NLL, packed, on `sft.schedule`, the files one
     after the other in each epoch, a stage ending early under `sft.advance_exact` or
     `sft.advance_loss`. With a checkpointer (the `sft` mode's, or the warm-up's own) it saves every
-    `checkpoint.every_steps` steps and at the end, and resumes from the latest save."""
+    `checkpoint.every_steps` steps and at the end, and resumes from the latest save. `export_to`: an
+    HF export of the trained policy (its master weights under `optim.master_weights`) there."""
     batches = builders.sft_batches(config, tokenizer, template, conversation_files, mesh)
     total = config.sft.epochs * batches.steps_per_epoch()
     optimizer_config = resolve.sft_optimizer_config(config, total)
@@ -109,10 +110,13 @@ def run_sft(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempl
         checkpointer.save(step, model=model, optimizer=optimizer, data_state={"sft_step": step, **state},
                           stage=config.stage, config=config, force=final)
 
-    return sft_loop(model, optimizer, batches, epochs=config.sft.epochs, mesh=mesh,
-                    chunk_size=config.rl.logprob_chunk_size, metrics=metrics, start=start,
-                    save=save if checkpointer is not None else None, progress=config.metrics.progress_bar,
-                    advance=advance, resumed_state=resumed_state)
+    summary = sft_loop(model, optimizer, batches, epochs=config.sft.epochs, mesh=mesh,
+                       chunk_size=config.rl.logprob_chunk_size, metrics=metrics, start=start,
+                       save=save if checkpointer is not None else None, progress=config.metrics.progress_bar,
+                       advance=advance, resumed_state=resumed_state)
+    if export_to is not None:
+        builders.export_hf(config, model, tokenizer, export_to, optimizer)
+    return summary
 
 
 def _stage_advance(config, stage_steps: list[int], optimizer_config,
@@ -203,8 +207,11 @@ def _restore(config, model, optimizer, tokenizer: Tokenizer, train_files, metric
 
 
 def run_rl(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTemplate, train_files,
-           metrics: MetricsWriter, checkpointer: Checkpointer, targets: list[str]) -> dict:
-    """RL against the sandboxes at `targets` (`builders.sandbox`, checked by `builders.check_sandboxes`)."""
+           metrics: MetricsWriter, checkpointer: Checkpointer, targets: list[str], *,
+           export_to: pathlib.Path | None = None) -> dict:
+    """RL against the sandboxes at `targets` (`builders.sandbox`, checked by `builders.check_sandboxes`).
+    `export_to`: an HF export of the trained policy (its master weights under `optim.master_weights`)
+    there, once the generators are stopped."""
     optimizer_config = resolve.optimizer_config(config)
     optimizer = make_optimizer(model, optimizer_config)
     begin = _restore(config, model, optimizer, tokenizer, train_files, metrics, checkpointer)
@@ -256,7 +263,10 @@ def run_rl(config, model, mesh: Mesh, tokenizer: Tokenizer, template: ChatTempla
         with (contextlib.nullcontext([]) if engine is not None else builders.local_servers(config, model)) as urls:
             if urls and config.rollout.local_servers:
                 print(f"[rl] generator servers: {' '.join(urls)}", flush=True)
-            return asyncio.run(steps(targets, urls, engine))
+            summary = asyncio.run(steps(targets, urls, engine))
     finally:
         if engine is not None:
             engine.close()
+    if export_to is not None:
+        builders.export_hf(config, model, tokenizer, export_to, optimizer)
+    return summary

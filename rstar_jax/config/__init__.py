@@ -76,6 +76,7 @@ MAX_TEMPERATURE = 10.0  # generous: past a few, sampling is near uniform over th
 MAX_LR = 1.0  # Adam moves each weight by about the rate per step: more wipes out any initialisation
 MAX_SECONDS = 86400.0  # timeouts and intervals: a day (the local verifier's poll() overflows at ~24.8 days)
 MAX_SEED = 2**63  # jax.random.key takes an int64
+LOW_PRECISION_DTYPES = ("bfloat16", "float16")  # model.param_dtype values optim.master_weights keeps a master of
 # What the local sandbox server (sandbox.launch_local) accepts per call: sandbox_service.server's
 # ServerOptions defaults (--max_timeout_s, --max_memory_mb), which `builders.sandbox` leaves as they are.
 LOCAL_SANDBOX_MAX_TIMEOUT_S = 300.0
@@ -728,6 +729,12 @@ def _check_optimizer_bounds(check: Checker) -> None:
         check.require(config.optim.grad_clip > 0, "optim.grad_clip",
                       f"must be > 0.0 (gradients are clipped to this global norm: 0 zeroes every update), "
                       f"got {config.optim.grad_clip!r}")
+    # A master copy is of lower-precision parameters: of fp32 ones it would only double their memory.
+    if check.ok("optim.master_weights", "model.param_dtype") and config.optim.master_weights:
+        check.require(config.model.param_dtype in LOW_PRECISION_DTYPES, "optim.master_weights",
+                      f"{config.optim.master_weights!r} keeps an fp32 master copy of lower-precision parameters: "
+                      f"it needs model.param_dtype in {LOW_PRECISION_DTYPES}, got "
+                      f"model.param_dtype={config.model.param_dtype!r} (or set optim.master_weights='')")
     # Decoupled decay scales the weights by 1 - lr x weight_decay each step, RL's rate and SFT's alike.
     if check.ok("optim.weight_decay", "optim.lr", "sft.lr"):
         o = config.optim

@@ -2,7 +2,8 @@
 
 One checkpoint step holds
 - `model`: the policy's NNX state (every variable, as a pure dict of arrays),
-- `optimizer`: the optimizer's NNX state (step count and moments), when given,
+- `optimizer`: the optimizer's NNX state (step count and moments; the fp32 master weights under
+  `optim.master_weights`), when given,
 - `meta` (JSON): step, stage, the RNG key data, and wall time,
 - `data` (JSON): the data-iterator state (`PromptIterator.get_state()`),
 - `config` (JSON): the run's config.
@@ -38,7 +39,9 @@ from rstar_jax.train.run_files import (  # noqa: F401  (stored_config: re-export
     stored_config,
 )
 
-ExportHook = Callable[[int, pathlib.Path], Any]
+# export_hf(step, directory, optimizer): the optimizer saved with the step (None without one), whose
+# master weights, when it keeps them, are what an export should write (`train.step.with_master_weights`).
+ExportHook = Callable[[int, pathlib.Path, Any], Any]
 
 
 @dataclasses.dataclass
@@ -178,7 +181,7 @@ class Checkpointer:
             items["optimizer"] = ocp.args.StandardSave(_storable(_pure_state(optimizer)))
         saved = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
         if self.export_hf is not None and self.export_every and step % self.export_every == 0:
-            self.export_hf(step, self.export_dir / f"step_{step}")
+            self.export_hf(step, self.export_dir / f"step_{step}", optimizer)
         return bool(saved)
 
     # -- restoring ------------------------------------------------------------------------------
@@ -207,30 +210,34 @@ class Checkpointer:
         metadata = self._manager.item_metadata(step)
         model_pure = _pure_state(model)
         model_target = _storable(abstract_state(model_pure))
-        _check_target(metadata["model"], model_target, f"{self.directory} step {step} model")
-        items = {"model": ocp.args.StandardRestore(model_target),
+        where = f"{self.directory} step {step}"
+        _check_target(metadata["model"], model_target, f"{where} model")
+        want_optimizer = optimizer is not None and not reset_optimizer
+        if want_optimizer and not meta.get("has_optimizer"):
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} has no optimizer state; "
+                                  f"restore with reset_optimizer=True to start a fresh optimizer")
+        # Master weights (optim.master_weights): the run's optimizer may keep them where the
+        # checkpoint's did not, or the other way round (`_MasterPlan`).
+        optimizer_pure = _pure_state(optimizer) if optimizer is not None else None
+        saved_optimizer = _tree(metadata["optimizer"]) if meta.get("has_optimizer") else None
+        plan = _MasterPlan(model_target, optimizer_pure, saved_optimizer, want_optimizer)
+        items = {"model": ocp.args.StandardRestore(plan.model_target),
                  "meta": ocp.args.JsonRestore(), "data": ocp.args.JsonRestore(),
                  "config": ocp.args.JsonRestore()}
-        want_optimizer = optimizer is not None and not reset_optimizer
-        if want_optimizer:
-            if not meta.get("has_optimizer"):
-                raise CheckpointError(f"checkpoint step {step} in {self.directory} has no optimizer state; "
-                                      f"restore with reset_optimizer=True to start a fresh optimizer")
-            optimizer_pure = _pure_state(optimizer)
-            optimizer_target = _storable(abstract_state(optimizer_pure))
-            _check_target(metadata["optimizer"], optimizer_target, f"{self.directory} step {step} optimizer")
-            items["optimizer"] = ocp.args.StandardRestore(optimizer_target)
+        if plan.optimizer_target is not None:
+            _check_target(metadata["optimizer"], plan.optimizer_target, f"{where} optimizer")
+            items["optimizer"] = ocp.args.StandardRestore(plan.optimizer_target)
         try:
             restored = self._manager.restore(step, args=ocp.args.Composite(**items))
         except (ValueError, KeyError) as e:
             raise CheckpointError(f"checkpoint step {step} in {self.directory} does not match the restore "
                                   f"target: {e}") from None
-        model_state = _rekey(model_pure, restored["model"])
+        model_state, optimizer_state = plan.finish(_rekey(model_pure, restored["model"]), restored.get("optimizer"))
         _write_back(model, model_state)
-        optimizer_state = None
-        if want_optimizer:
-            optimizer_state = _rekey(optimizer_pure, restored["optimizer"])
+        if optimizer_state is not None:
             _write_back(optimizer, optimizer_state)
+            if not want_optimizer:
+                optimizer_state = None  # only its master weights were set
         return RestoredState(step=int(meta["step"]), stage=meta.get("stage", ""), rng=_rng_from_json(meta.get("rng")),
                              data_state=restored["data"] or None, config=restored["config"] or None,
                              optimizer_restored=want_optimizer, model_state=model_state,
@@ -275,6 +282,94 @@ def _check_target(metadata: Any, target: Any, where: str) -> None:
         if tuple(saved[name].shape) != tuple(leaf.shape):
             raise CheckpointError(f"{where} does not match the restore target: tensor {name} has shape "
                                   f"{tuple(saved[name].shape)} in the checkpoint, {tuple(leaf.shape)} in the target")
+
+
+MASTER = "master"  # the key of master weights in an optimizer's state (`train.step.MasterWeightsOptimizer`)
+
+
+def _tree(metadata: Any) -> Any:
+    return getattr(metadata, "tree", metadata)
+
+
+class _MasterPlan:
+    """How master weights travel between a checkpoint and the run restoring it.
+
+    - Both keep them, or neither: restored as they are.
+    - The run keeps them, the checkpoint's optimizer did not (a run that trained fp32 parameters, or
+      a restore with reset_optimizer): the master is the checkpoint's parameters read at the master's
+      precision (fp32 ones lose nothing); with reset_optimizer and a saved master, the saved master.
+    - The checkpoint keeps them, the run does not (optim.master_weights=''): restoring the optimizer,
+      the parameters are the checkpoint's master cast to the run's parameter dtype (fp32 parameters get
+      its full precision); a restore of the model alone reads the checkpoint's parameters.
+    """
+
+    def __init__(self, model_target: Any, optimizer_pure: Any, saved_optimizer: Any, want_optimizer: bool):
+        self.model_target = model_target
+        self.optimizer_target = None
+        self.run_master = isinstance(optimizer_pure, dict) and MASTER in optimizer_pure
+        self.saved_master = isinstance(saved_optimizer, dict) and MASTER in saved_optimizer
+        self.optimizer_pure = optimizer_pure
+        self.master_from_model = False
+        self.want_optimizer = want_optimizer
+        flat_model = _flat(model_target)
+        self.model_dtypes = {name: leaf.dtype for name, leaf in flat_model.items()}
+        if self.run_master:
+            master_target = _storable(abstract_state(optimizer_pure[MASTER]))
+            self.master_names = list(_flat(master_target))
+            full_target = _storable(abstract_state(optimizer_pure))
+            if want_optimizer and self.saved_master:
+                self.optimizer_target = full_target
+            elif not want_optimizer and self.saved_master and _matches(saved_optimizer, full_target):
+                self.optimizer_target = full_target  # read for its master only
+            else:
+                # The parameters read at the master's dtype: the model's dtype is cast from them.
+                self.master_from_model = True
+                flat_master = _flat(master_target)
+                self.model_target = _unflat(model_target, {**flat_model, **flat_master})
+                if want_optimizer:
+                    self.optimizer_target = {k: v for k, v in full_target.items() if k != MASTER}
+        elif want_optimizer:
+            target = _storable(abstract_state(optimizer_pure))
+            if self.saved_master:
+                # The saved master, placed as the parameters are, in its saved dtype.
+                saved = _flat(saved_optimizer[MASTER])
+                placed = {name: jax.ShapeDtypeStruct(flat_model[name].shape, saved[name].dtype,
+                                                     sharding=getattr(flat_model[name], "sharding", None))
+                          for name in saved if name in flat_model}
+                if len(placed) != len(saved):
+                    raise CheckpointError(f"the checkpoint's master weights {sorted(set(saved) - set(placed))[:8]} "
+                                          f"are not parameters of the model restoring it")
+                self.master_names = list(saved)
+                target = {**target, MASTER: _unflat(saved_optimizer[MASTER], placed)}
+            self.optimizer_target = target
+
+    def finish(self, model_state: Any, optimizer_state: Any) -> tuple[Any, Any]:
+        """(model state, optimizer state to write back or None) from what was restored."""
+        if self.run_master and self.master_from_model:
+            flat = _flat(model_state)
+            master = _unflat(self.optimizer_pure[MASTER], {name: flat[name] for name in self.master_names})
+            model_state = _unflat(model_state, {name: flat[name].astype(self.model_dtypes[name])
+                                                for name in self.master_names})
+            base = optimizer_state if optimizer_state is not None else self.optimizer_pure
+            return model_state, {**base, MASTER: master}
+        if self.run_master and not self.want_optimizer and optimizer_state is not None:
+            return model_state, {**self.optimizer_pure, MASTER: optimizer_state[MASTER]}  # its master only
+        if not self.run_master and self.saved_master and optimizer_state is not None:
+            optimizer_state = dict(optimizer_state)
+            master = _flat(optimizer_state.pop(MASTER))
+            model_state = _unflat(model_state, {name: master[name].astype(self.model_dtypes[name]) for name in master})
+        return model_state, optimizer_state
+
+
+def _matches(saved: Any, target: Any) -> bool:
+    saved, wanted = _flat(saved), _flat(target)
+    return set(saved) == set(wanted) and all(tuple(saved[k].shape) == tuple(wanted[k].shape) for k in wanted)
+
+
+def _unflat(tree: Any, values: dict[str, Any]) -> Any:
+    """`tree` with the leaves named in `values` (`_flat`'s names) replaced."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: values.get(jax.tree_util.keystr(path, simple=True, separator="."), leaf), tree)
 
 
 def _write_back(target: Any, pure: Any) -> None:

@@ -19,6 +19,8 @@ SYNC_MODES = ("abort", "pause", "in_place", "wait")
 SYNC_METHODS = ("disk", "distributed")
 
 LR_SCHEDULES = ("constant", "cosine", "wsd")
+# `OptimizerConfig.master_weights`: "" (the parameters are their own master) or a master copy's dtype.
+MASTER_WEIGHTS = ("", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,8 +37,13 @@ class OptimizerConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     min_lr_ratio: float = 0.0
+    # "float32": the optimizer keeps an fp32 master copy of lower-precision (bf16) parameters and
+    # updates it (`train.step.MasterWeightsOptimizer`); "": it updates the parameters themselves.
+    master_weights: str = ""
 
     def __post_init__(self):
+        if self.master_weights not in MASTER_WEIGHTS:
+            raise ValueError(f"OptimizerConfig.master_weights must be one of {MASTER_WEIGHTS}, got {self.master_weights!r}")
         if self.schedule not in LR_SCHEDULES:
             raise ValueError(f"OptimizerConfig.schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}")
         if self.schedule != "constant" and self.total_steps <= self.warmup_steps:

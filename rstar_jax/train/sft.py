@@ -32,7 +32,7 @@ from rstar_jax.agent.template import ChatTemplate
 from rstar_jax.agent.tokenizer import Tokenizer
 from rstar_jax.rl.logprobs import token_logprobs
 from rstar_jax.train.batching import TrainingSequence, make_micro_batches
-from rstar_jax.train.step import accumulate_grads
+from rstar_jax.train.step import accumulate_grads, master_dtype_of
 
 
 def conversation_ids(template: ChatTemplate, tokenizer: Tokenizer, conversation: Conversation | Sequence[dict],
@@ -103,7 +103,8 @@ def _nll_micro_loss(model, mb, chunk_size: int):
 
 
 def _sft_step(model, optimizer, batch, chunk_size: int):
-    loss, grads, metrics = accumulate_grads(model, batch, lambda m, mb: _nll_micro_loss(m, mb, chunk_size))
+    loss, grads, metrics = accumulate_grads(model, batch, lambda m, mb: _nll_micro_loss(m, mb, chunk_size),
+                                            master_dtype_of(optimizer))
     optimizer.update(model, grads)
     return {"loss": loss, "tokens": metrics["token_count"], "grad_norm": jnp.sqrt(
         sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))}

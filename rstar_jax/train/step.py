@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from flax.nnx.training.optimizer import to_opt_state
 
 from rstar_jax.rl.logprobs import token_logprobs
 from rstar_jax.rl.loss import LossConfig, combine_metrics, empty_metrics
@@ -54,8 +55,77 @@ def make_tx(config: OptimizerConfig = OptimizerConfig()) -> optax.GradientTransf
     )
 
 
+class MasterWeightsOptimizer(nnx.Optimizer):
+    """An `nnx.Optimizer` that keeps a higher-precision master copy of the parameters in its state
+    (mixed precision with master weights, as Megatron and MaxText train): the model holds low-precision
+    parameters (bf16: no cast before each matmul), `master` holds them in `master_dtype`, and the
+    optax state (AdamW's moments) is of the master. An update casts the gradients to `master_dtype`
+    (clipping's global norm is theirs), applies `tx` to the master and writes the master, rounded to
+    the parameters' dtype, back into the model: updates far below the parameters' resolution (lr
+    1e-6 on weights of 1e-2 in bf16) accumulate in the master until they move the parameters.
+
+    `master` is created from the parameters as they are (same metadata, so the same shardings) and
+    is saved and restored with the rest of the optimizer's state.
+    """
+
+    def __init__(self, model, tx: optax.GradientTransformation, *, wrt=nnx.Param, master_dtype="float32"):
+        # Not nnx.Optimizer.__init__: its optax state would be of the low-precision parameters.
+        self.master_dtype = jnp.dtype(master_dtype)
+        master = jax.tree.map(lambda p: p.astype(self.master_dtype), nnx.state(model, wrt))
+        self.step = nnx.OptState(jnp.array(0, dtype=jnp.uint32))
+        self.tx = tx
+        self.wrt = wrt
+        self.opt_state = nnx.data(to_opt_state(tx.init(master)))
+        self.master = nnx.data(to_opt_state(master))
+
+    def update(self, model, grads, /, **kwargs) -> optax.Updates:
+        grad_arrays = jax.tree.map(lambda g: g.astype(self.master_dtype), nnx.as_pure(nnx.state(grads, self.wrt)))
+        master = nnx.as_pure(self.master)
+        updates, new_opt_state = self.tx.update(grad_arrays, nnx.as_pure(self.opt_state), master,
+                                                **nnx.as_pure(kwargs))
+        new_master = optax.apply_updates(master, updates)
+        params = nnx.as_pure(nnx.state(model, self.wrt))
+        nnx.update(model, jax.tree.map(lambda m, p: m.astype(p.dtype), new_master, params))
+        nnx.update(self.master, nnx.state(new_master))
+        nnx.update(self.opt_state, nnx.state(new_opt_state))
+        self.step[...] += 1
+        return updates
+
+
+def master_dtype_of(optimizer) -> Any:
+    """The dtype of `optimizer`'s master weights, None when the parameters are their own master."""
+    return getattr(optimizer, "master_dtype", None)
+
+
+def with_master_weights(model: nnx.Module, optimizer) -> nnx.Module:
+    """`model`, or when `optimizer` keeps master weights a copy of it whose parameters are the master
+    (full precision, for an HF export; buffers shared, nothing copied)."""
+    if master_dtype_of(optimizer) is None:
+        return model
+    view = nnx.clone(model)
+    params = nnx.state(view, optimizer.wrt)
+    nnx.replace_by_pure_dict(params, nnx.to_pure_dict(optimizer.master))
+    nnx.update(view, params)
+    return view
+
+
+def optimizer_for(model: nnx.Module, config: OptimizerConfig = OptimizerConfig()) -> nnx.Optimizer:
+    """`make_tx(config)` over `model`'s parameters, with a master copy under `config.master_weights`,
+    placed where the arrays are (`make_optimizer` places it as the step returns it)."""
+    if not config.master_weights:
+        return nnx.Optimizer(model, make_tx(config), wrt=nnx.Param)
+    master = jnp.dtype(config.master_weights)
+    for path, p in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        if jnp.finfo(p.dtype).bits >= jnp.finfo(master).bits:
+            raise ValueError(f"OptimizerConfig.master_weights={config.master_weights!r} keeps a master copy of "
+                             f"lower-precision parameters, but parameter {jax.tree_util.keystr(path)} is "
+                             f"{p.dtype} (set the model's param_dtype to bfloat16, or master_weights to '')")
+    return MasterWeightsOptimizer(model, make_tx(config), wrt=nnx.Param, master_dtype=master)
+
+
 def make_optimizer(model: nnx.Module, config: OptimizerConfig = OptimizerConfig()) -> nnx.Optimizer:
-    optimizer = nnx.Optimizer(model, make_tx(config), wrt=nnx.Param)
+    """`optimizer_for(model, config)` with its state placed as the jitted step returns it."""
+    optimizer = optimizer_for(model, config)
     meshes = {x.sharding.mesh for x in jax.tree.leaves(nnx.state(model))
               if isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)}
     if len(meshes) == 1:
@@ -126,14 +196,15 @@ def _unless_empty(mb: dict, compute, empty):
     return jax.lax.cond(_has_tokens(mb), compute, empty)
 
 
-def accumulate_grads(model: nnx.Module, batch: dict, micro_loss):
+def accumulate_grads(model: nnx.Module, batch: dict, micro_loss, grad_dtype: Any = None):
     """Sums `micro_loss` numerators, gradients and metrics over the micro-batches of `batch`.
 
     micro_loss(model, micro_batch) -> (loss_sum, denominator, metrics): the denominator is the
     token count of a token mean, or the sequence count of a sequence mean (`grpo_loss`'s
     `loss_agg_mode`). Returns (loss, grads, metrics) with loss and grads divided once by the total
     denominator: the exact mean over the whole batch. Micro-batches without a trained token are
-    skipped within one process (they would add exactly nothing; `_unless_empty`).
+    skipped within one process (they would add exactly nothing; `_unless_empty`). The gradients are
+    in `grad_dtype` (None: each parameter's dtype; a master-weights optimizer takes float32).
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
@@ -162,20 +233,22 @@ def accumulate_grads(model: nnx.Module, batch: dict, micro_loss):
 
     (grads_sum, metrics), _ = jax.lax.scan(body, (zero_grads, no_metrics), batch)
     total = jnp.maximum(metrics["loss_denominator"], 1.0)
-    grads = jax.tree.map(lambda g, p: (g / total).astype(p.dtype), grads_sum, params)
+    grads = jax.tree.map(lambda g, p: (g / total).astype(grad_dtype or p.dtype), grads_sum, params)
     return metrics["loss_sum"] / total, grads, metrics
 
 
 def loss_and_grads(model: nnx.Module, batch: dict, loss_config: LossConfig, chunk_size: int = 1024,
-                   temperature: Any = 1.0):
+                   temperature: Any = 1.0, grad_dtype: Any = None):
     """Exact token-mean policy loss (`loss_config.policy_loss`) and gradients over all micro-batches of
-    `batch` ([M, B, T] arrays)."""
+    `batch` ([M, B, T] arrays), in `grad_dtype` (None: the parameters')."""
     return accumulate_grads(
-        model, batch, lambda m, mb: _policy_micro_loss(m, mb, loss_config, chunk_size, temperature))
+        model, batch, lambda m, mb: _policy_micro_loss(m, mb, loss_config, chunk_size, temperature), grad_dtype)
 
 
 def _train_step(model, optimizer, batch, loss_config: LossConfig, chunk_size: int, temperature):
-    loss, grads, metrics = loss_and_grads(model, batch, loss_config, chunk_size, temperature)
+    # Under master weights the gradients stay float32: clipping's norm and the update are of those.
+    loss, grads, metrics = loss_and_grads(model, batch, loss_config, chunk_size, temperature,
+                                          master_dtype_of(optimizer))
     grad_norm = optax.tree.norm(grads)
     optimizer.update(model, grads)
     return {**metrics, "loss": loss, "grad_norm": grad_norm}

@@ -49,7 +49,7 @@ def test_save_restore_bitwise_and_sharded(mesh, tmp_path):
     data_state = {"iterator": {"next_index": 5}, "num_examples": 40}
     exported = []
     with Checkpointer(tmp_path / "ckpt", max_to_keep=2, async_save=True, export_every=2,
-                      export_hf=lambda step, path: exported.append((step, path.name))) as ckpt:
+                      export_hf=lambda step, path, _: exported.append((step, path.name))) as ckpt:
         assert ckpt.latest_step() is None
         assert ckpt.save(2, model=model, optimizer=optimizer, rng=key, data_state=data_state, stage="stage1",
                          config={"rl": {"clip_high": 0.28}})
