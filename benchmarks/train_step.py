@@ -7,7 +7,8 @@ Ours: `rstar_jax.train.step.train_step` (policy forward -> chunked log-probs -> 
 -> AdamW) with the batch placed as the RL trainer places it (`place_batch`: rows over the mesh's
 data-parallel axes) and the optimizer as `make_optimizer` builds it. On a GPU by default: bf16
 compute, fp32 parameters, remat "full", cuDNN attention (--compute-dtype, --param-dtype, --remat,
---attention, --micro-batches and --chunk change them). --compile-only prints XLA's memory analysis
+--attention, --micro-batches and --chunk change them; --master-weights float32 with --param-dtype
+bfloat16 keeps an fp32 master copy in the optimizer state, `optim.master_weights`). --compile-only prints XLA's memory analysis
 of the step for abstract arrays instead, on any backend.
 Peer (same shapes, its own process, run first so that it has the whole device): Hugging Face
 `Qwen3ForCausalLM` in PyTorch, forward + backward of a full-vocabulary log-softmax token loss (what
@@ -52,10 +53,10 @@ def small_preset() -> Qwen3Config:
 
 
 def run_ours(config: Qwen3Config, batch: int, length: int, steps: int, chunk: int, micro_batches: int = 1,
-             profile: str | None = None) -> dict:
+             profile: str | None = None, master_weights: str = "") -> dict:
     mesh = make_mesh(1, -1, 1)
     model = create_sharded_model(config, mesh, seed=0)
-    optimizer = make_optimizer(model, OptimizerConfig(lr=1e-6, warmup_steps=0))
+    optimizer = make_optimizer(model, OptimizerConfig(lr=1e-6, warmup_steps=0, master_weights=master_weights))
     rng = np.random.default_rng(0)
     shape = (micro_batches, batch // micro_batches, length)  # [M, rows, T]: M micro-batches accumulated
     ids = rng.integers(0, config.vocab_size, size=shape[:2] + (length + 1,)).astype(np.int32)
@@ -89,11 +90,13 @@ def run_ours(config: Qwen3Config, batch: int, length: int, steps: int, chunk: in
             "peak_gib": peak / 2**30 if peak else None}
 
 
-def compile_only(config: Qwen3Config, batch: int, length: int, chunk: int, micro_batches: int) -> dict:
+def compile_only(config: Qwen3Config, batch: int, length: int, chunk: int, micro_batches: int,
+                 master_weights: str = "") -> dict:
     """XLA's memory analysis of the same step for abstract arrays: nothing is materialised or run, so
     any backend (CPU included) plans a shape that its memory could not hold."""
     mesh = make_mesh(1, -1, 1)
-    model_state, opt_state = abstract_policy_for(config, OptimizerConfig(lr=1e-6, warmup_steps=0), mesh, DEFAULT_RULES)
+    optimizer_config = OptimizerConfig(lr=1e-6, warmup_steps=0, master_weights=master_weights)
+    model_state, opt_state = abstract_policy_for(config, optimizer_config, mesh, DEFAULT_RULES)
     step = compile_grpo_update(model_state, opt_state, mesh, micro_batches, batch // micro_batches, length,
                                LossConfig(), chunk, jnp.float32(1.0))
     gib = 2 ** 30
@@ -155,6 +158,9 @@ def main() -> None:
                         help="activations' dtype (default: bfloat16 on GPU, float32 elsewhere)")
     parser.add_argument("--param-dtype", default="float32", choices=("float32", "bfloat16"),
                         help="parameters' (and so AdamW moments') dtype")
+    parser.add_argument("--master-weights", default="", choices=("", "float32"),
+                        help="float32: an fp32 master copy of bf16 parameters in the optimizer state (its AdamW "
+                             "moments fp32 too; optim.master_weights)")
     parser.add_argument("--profile", metavar="DIR", help="write a profiler trace of two steps to DIR")
     parser.add_argument("--compile-only", action="store_true",
                         help="print XLA's memory analysis of the step for abstract arrays (no peer, nothing run)")
@@ -164,6 +170,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.micro_batches < 1 or args.batch % args.micro_batches:
         parser.error(f"--micro-batches must be >= 1 and divide --batch ({args.batch}), got {args.micro_batches}")
+    if args.master_weights and args.param_dtype != "bfloat16":
+        parser.error(f"--master-weights {args.master_weights} keeps a master copy of bf16 parameters: it needs "
+                     f"--param-dtype bfloat16, got {args.param_dtype}")
+    params = args.param_dtype + (f"+{args.master_weights}-master" if args.master_weights else "")
 
     try:
         config = small_preset() if args.preset == "small" else Qwen3Config.preset(args.preset)
@@ -189,9 +199,9 @@ def main() -> None:
     flops = model_flops(config, args.batch * args.length, args.length)
     print(f"device: {device_kind} x{jax.device_count()}  preset: {args.preset} ({config.num_params / 1e6:.1f}M params)  "
           f"B={args.batch} T={args.length} micro-batches={args.micro_batches} remat={remat} attention={attention} "
-          f"chunk={args.chunk} params={args.param_dtype} compute={compute}")
+          f"chunk={args.chunk} params={params} compute={compute}")
     if args.compile_only:
-        plan = compile_only(config, args.batch, args.length, args.chunk, args.micro_batches)
+        plan = compile_only(config, args.batch, args.length, args.chunk, args.micro_batches, args.master_weights)
         print(f"compiled memory (GiB): arguments {plan['argument_gib']:.2f} (parameters, AdamW moments, batch), "
               f"outputs {plan['output_gib']:.2f}, aliased {plan['aliased_gib']:.2f}, temporaries {plan['temp_gib']:.2f} "
               f"-> peak {plan['peak_gib']:.2f}  (compile {plan['compile_s']:.1f}s)")
@@ -201,7 +211,8 @@ def main() -> None:
     measured = matmul_peak() if on_gpu else None
     if measured:
         print(f"bf16 matmul measured in this run: {measured / 1e12:.1f} TFLOP/s")
-    ours = run_ours(config, args.batch, args.length, args.steps, args.chunk, args.micro_batches, args.profile)
+    ours = run_ours(config, args.batch, args.length, args.steps, args.chunk, args.micro_batches, args.profile,
+                    args.master_weights)
     ours["mfu"] = flops / ours["step_s"] / peak
     mem = f"{ours['peak_gib']:.1f} GiB" if ours["peak_gib"] is not None else "n/a"
     of_measured = f" ({flops / ours['step_s'] / measured:.1%} of the measured matmul)" if measured else ""
@@ -209,7 +220,7 @@ def main() -> None:
           f"  peak mem {mem}  (compile {ours['compile_s']:.1f}s)")
     result = {"device": device_kind, "preset": args.preset, "batch": args.batch, "length": args.length,
               "micro_batches": args.micro_batches, "remat": remat, "attention": attention, "chunk": args.chunk,
-              "param_dtype": args.param_dtype, "compute_dtype": compute,
+              "param_dtype": args.param_dtype, "master_weights": args.master_weights, "compute_dtype": compute,
               "mfu_peak": peak, "measured_matmul": measured, "ours": ours}
     if peer:
         peer["mfu"] = flops / peer["step_s"] / peak
@@ -220,7 +231,7 @@ def main() -> None:
         result["peer"] = peer
     if os.environ.get("OUT"):
         name = (f"train_step_{args.preset}_B{args.batch}_T{args.length}_{remat}_m{args.micro_batches}_c{args.chunk}"
-                f"_{args.param_dtype}_{attention}.json")
+                f"_{params}_{attention}.json")
         with open(os.path.join(os.environ["OUT"], name), "w") as f:
             json.dump(result, f, indent=2)
 

@@ -2,12 +2,14 @@
 
     python benchmarks/train_step_memory.py            # Qwen3-1.7B, 4 x 4096, one device (the GPU suite's shape)
     python benchmarks/train_step_memory.py --smoke    # a tiny shape, to check the script itself
+    python benchmarks/train_step_memory.py --only "full bfloat16"   # the variants whose name holds the text
 
 Each variant is the production update (`rstar_jax.train.step._train_step`: micro-batch scan, chunked
 log-prob head, GRPO loss, AdamW) lowered for abstract arrays and compiled (`rstar_jax.app.aot.
 compile_grpo_update`, XLA's `memory_analysis`): nothing is allocated, so the 1.7B model at 4096
 tokens per row compiles here in about 10 s a variant. Variants: remat policy x parameter dtype (and
-with it the AdamW moments') x log-prob chunk, with bf16 compute. A variant "fits" when arguments +
+with it the AdamW moments') x log-prob chunk, with bf16 compute; and bf16 parameters with an fp32
+master copy in the optimizer state (`optim.master_weights`; its AdamW moments fp32). A variant "fits" when arguments +
 outputs - donated + temporaries <= --budget-gib (30).
 
 What differs from the GPU: XLA:CPU's fusions and buffer assignment are not XLA:GPU's, and cuDNN's
@@ -52,8 +54,10 @@ def variants(smoke: bool) -> list[dict]:
     the head's share matters (remat full, whose activations are smallest); XLA attention once."""
     out = [dict(remat=r, param_dtype=p, chunk=1024, attention="blockwise")
            for p in ("float32", "bfloat16") for r in REMATS if (r, p) != ("none", "bfloat16")]
+    out.append(dict(remat="full", param_dtype="bfloat16", master="float32", chunk=1024, attention="blockwise"))
     out += [dict(remat="full", param_dtype="float32", chunk=c, attention="blockwise") for c in (512, 2048)]
     out.append(dict(remat="full", param_dtype="float32", chunk=1024, attention="xla"))
+    out = [{"master": "", **v} for v in out]
     if smoke:
         out = [v for v in out if v["remat"] in ("full", "save_named", "offload_mlp") and v["param_dtype"] == "float32"
                and v["attention"] == "blockwise" and v["chunk"] == 1024]
@@ -74,14 +78,16 @@ def offloaded_bytes(config: Qwen3Config, remat: str, rows: int, length: int) -> 
 def train_step_args(v: dict) -> str:
     """The variant as `benchmarks/train_step.py` arguments (what the GPU suite runs)."""
     attention = "cudnn" if v["attention"] == "blockwise" else v["attention"]
-    return f"--remat {v['remat']} --param-dtype {v['param_dtype']} --chunk {v['chunk']} --attention {attention}"
+    master = f" --master-weights {v['master']}" if v.get("master") else ""
+    return f"--remat {v['remat']} --param-dtype {v['param_dtype']}{master} --chunk {v['chunk']} --attention {attention}"
 
 
 def compile_variant(base: Qwen3Config, v: dict, batch: int, length: int) -> dict:
     config = Qwen3Config(**{**base.__dict__, "remat_policy": v["remat"], "param_dtype": v["param_dtype"],
                             "dtype": "bfloat16", "attention_impl": v["attention"]})
     mesh = make_mesh(1, -1, 1, devices=jax.devices()[:1])
-    model_state, opt_state = abstract_policy_for(config, OptimizerConfig(lr=1e-6, warmup_steps=0), mesh, DEFAULT_RULES)
+    optimizer_config = OptimizerConfig(lr=1e-6, warmup_steps=0, master_weights=v.get("master", ""))
+    model_state, opt_state = abstract_policy_for(config, optimizer_config, mesh, DEFAULT_RULES)
     step = compile_grpo_update(model_state, opt_state, mesh, 1, batch, length, LossConfig(), v["chunk"],
                                jnp.float32(1.0))
     host, device = step.host_temp_bytes, step.peak_bytes
@@ -101,6 +107,8 @@ def main() -> None:
     parser.add_argument("--budget-gib", type=float, default=30.0)
     parser.add_argument("--smoke", action="store_true", help="a tiny model, 2 x 256, three variants")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--only", metavar="TEXT", help="only the variants whose name (the table's first column) "
+                                                        "contains TEXT")
     args = parser.parse_args()
     if args.smoke:
         base = Qwen3Config(vocab_size=8192, hidden_size=256, intermediate_size=768, num_layers=4, num_heads=4,
@@ -116,13 +124,18 @@ def main() -> None:
           f"jax {jax.__version__} {jax.default_backend()} ({platform.machine()}), budget {args.budget_gib:g} GiB")
     rows = []
     t0 = time.perf_counter()
-    for v in variants(args.smoke):
+    chosen = [v for v in variants(args.smoke) if args.only is None or args.only in variant_name(v)]
+    if not chosen:
+        parser.error(f"--only {args.only!r}: no variant's name contains it; names: "
+                     + ", ".join(variant_name(v) for v in variants(args.smoke)))
+    for v in chosen:
         try:
             row = compile_variant(base, v, args.batch, args.length)
         except Exception as error:  # one variant that does not compile leaves the rest of the table
             row = {**v, "error": f"{type(error).__name__}: {error}"}
         key = (v["remat"], v["param_dtype"], v["chunk"], "cudnn" if v["attention"] == "blockwise" else v["attention"])
-        rows.append({**row, "gpu_measured_gib": None if args.smoke else GPU_MEASURED_GIB.get(key)})
+        measured = None if args.smoke or v.get("master") else GPU_MEASURED_GIB.get(key)
+        rows.append({**row, "gpu_measured_gib": measured})
         print(f"compiled {variant_name(v)}: " + (row["error"].splitlines()[0][:160] if "error" in row else
               f"{row['compile_s']:.0f} s"), file=sys.stderr, flush=True)
     estimate_gpu(rows)
@@ -153,7 +166,9 @@ def main() -> None:
 
 
 def variant_name(v: dict) -> str:
-    return f"{v['remat']} {v['param_dtype']} chunk {v['chunk']}" + (" xla-attn" if v["attention"] == "xla" else "")
+    master = f"+{v['master']} master" if v.get("master") else ""
+    return (f"{v['remat']} {v['param_dtype']}{master} chunk {v['chunk']}"
+            + (" xla-attn" if v["attention"] == "xla" else ""))
 
 
 def estimate_gpu(rows: list[dict]) -> None:
@@ -164,25 +179,29 @@ def estimate_gpu(rows: list[dict]) -> None:
     the suite's shape); checked against the variants the GPU measured (`validation` below the table).
     None where no anchor was measured (and for XLA attention)."""
     anchors = {r["param_dtype"]: r for r in rows if "error" not in r and r["gpu_measured_gib"] is not None
-               and (r["remat"], r["chunk"], r["attention"]) == ("full", 1024, "blockwise")}
+               and (r["remat"], r["chunk"], r["attention"]) == ("full", 1024, "blockwise") and not r.get("master")}
+
+    def state(r: dict) -> int:  # parameters and optimizer state (with a master: its copy, fp32 moments)
+        return r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"]
+
     for r in rows:
         a = anchors.get(r.get("param_dtype"))
         if "error" in r or a is None or r["attention"] != "blockwise":
             r["gpu_est_gib"] = None
             continue
-        r["gpu_est_gib"] = (a["gpu_measured_gib"] + CPU_SAVED_FACTOR * (r["temp_bytes"] - a["temp_bytes"]) / GIB
-                            - r["host_bytes"] / GIB)
+        r["gpu_est_gib"] = (a["gpu_measured_gib"] + (state(r) - state(a)) / GIB
+                            + CPU_SAVED_FACTOR * (r["temp_bytes"] - a["temp_bytes"]) / GIB - r["host_bytes"] / GIB)
 
 
 def table(rows: list[dict], budget: float) -> str:
-    lines = [f"{'variant':<38}{'args GiB':>9}{'out GiB':>9}{'donated':>9}{'temp GiB':>9}{'host GiB':>9}"
+    lines = [f"{'variant':<46}{'args GiB':>9}{'out GiB':>9}{'donated':>9}{'temp GiB':>9}{'host GiB':>9}"
              f"{'total GiB':>10}{'fits':>6}{'GPU est.':>9}{'GPU meas.':>10}{'fits':>6}{'compile s':>10}"]
     for r in rows:
         if "error" in r:
-            lines.append(f"{variant_name(r):<38}failed: {r['error'].splitlines()[0][:120]}")
+            lines.append(f"{variant_name(r):<46}failed: {r['error'].splitlines()[0][:120]}")
             continue
         est, meas = r["gpu_est_gib"], r["gpu_measured_gib"]
-        lines.append(f"{variant_name(r):<38}{r['argument_bytes'] / GIB:>9.2f}{r['output_bytes'] / GIB:>9.2f}"
+        lines.append(f"{variant_name(r):<46}{r['argument_bytes'] / GIB:>9.2f}{r['output_bytes'] / GIB:>9.2f}"
                      f"{r['alias_bytes'] / GIB:>9.2f}{r['temp_bytes'] / GIB:>9.2f}{r['host_bytes'] / GIB:>9.2f}"
                      f"{r['device_bytes'] / GIB:>10.2f}{'yes' if r['fits'] else 'no':>6}"
                      f"{(f'{est:.1f}' if est is not None else '-'):>9}"
@@ -197,8 +216,9 @@ def table(rows: list[dict], budget: float) -> str:
                  "full measured 29.6 GiB on the GPU against 36.5 here), and cuDNN's attention does not compile here: "
                  "'blockwise' attention stands in for it (the same residuals, plus [B, heads, 256, T] fp32 score "
                  "blocks).")
-    lines.append(f"GPU est.: the GPU's measured peak of remat full (same parameter dtype, chunk 1024) + "
-                 f"{CPU_SAVED_FACTOR:g} x the CPU temporaries above its, - host. GPU meas.: the peak the GPU suite "
+    lines.append(f"GPU est.: the GPU's measured peak of remat full (same parameter dtype, chunk 1024) + the "
+                 f"state above its (a master copy and fp32 moments) + {CPU_SAVED_FACTOR:g} x the CPU temporaries "
+                 f"above its, - host. GPU meas.: the peak the GPU suite "
                  "measured with cuDNN (benchmarks/RESULTS.md, H100/H200).")
     checked = [r for r in rows if "error" not in r and r["gpu_est_gib"] is not None
                and r["gpu_measured_gib"] is not None
