@@ -70,7 +70,7 @@ class _Connection(asyncio.Protocol):
 
     def eof_received(self):
         if self._waiter is not None and not self._waiter.done() and self._to_close and self._head >= 0:
-            self._done(bytes(self._buf[self._head:]), keep=False)
+            self._done(bytes(memoryview(self._buf)[self._head:]), keep=False)
         self.closed = True
         return False  # close the transport
 
@@ -78,7 +78,7 @@ class _Connection(asyncio.Protocol):
         self.closed = True
         if self._waiter is not None and not self._waiter.done():
             if self._to_close and self._head >= 0 and exc is None:
-                self._done(bytes(self._buf[self._head:]), keep=False)
+                self._done(bytes(memoryview(self._buf)[self._head:]), keep=False)
             else:
                 self._fail(HttpDisconnected(f"the server closed the connection before answering in full"
                                             f"{f' ({exc})' if exc else ''}"))
@@ -98,6 +98,7 @@ class _Connection(asyncio.Protocol):
         return await self._waiter
 
     def _done(self, body: bytes, keep: bool) -> None:
+        self._buf = bytearray()  # an idle connection holds no buffer
         self._keep = keep
         self._waiter.set_result((self._status, body, keep and not self.closed))
 
@@ -127,7 +128,7 @@ class _Connection(asyncio.Protocol):
             if len(buf) >= need:
                 if len(buf) > need:
                     raise HttpDisconnected(f"{len(buf) - need} bytes after a {self._length}-byte body")
-                self._done(bytes(buf[self._head:need]), self._keep)
+                self._done(bytes(memoryview(buf)[self._head:need]), self._keep)
         elif self._chunked:
             self._parse_chunks()
         # else: the body runs to the end of the connection (eof_received / connection_lost)
