@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from flax.nnx.training.optimizer import to_opt_state
 
 from rstar_jax.rl.logprobs import token_logprobs
 from rstar_jax.rl.loss import LossConfig, combine_metrics, empty_metrics
@@ -75,8 +74,8 @@ class MasterWeightsOptimizer(nnx.Optimizer):
         self.step = nnx.OptState(jnp.array(0, dtype=jnp.uint32))
         self.tx = tx
         self.wrt = wrt
-        self.opt_state = nnx.data(to_opt_state(tx.init(master)))
-        self.master = nnx.data(to_opt_state(master))
+        self.opt_state = nnx.data(nnx.optimizer.to_opt_state(tx.init(master)))
+        self.master = nnx.data(nnx.optimizer.to_opt_state(master))
 
     def update(self, model, grads, /, **kwargs) -> optax.Updates:
         grad_arrays = jax.tree.map(lambda g: g.astype(self.master_dtype), nnx.as_pure(nnx.state(grads, self.wrt)))
