@@ -282,6 +282,9 @@ def get_config() -> ml_collections.ConfigDict:
     # half, given the conversation's other turns), measured every sft.advance_every steps: for a stage
     # whose answers follow from their prompts, the criterion that it has learned them. 0: not used.
     c.sft.advance_exact = 0.0
+    # ... at this many measurements in a row: a skill that has just formed can fall back under the
+    # same constant rate, and one measurement may catch it in passing. 1: the first one ends it.
+    c.sft.advance_consecutive = 1
     c.sft.advance_every = 25
     c.sft.advance_probe = 64
     c.sft.batch_size = 128

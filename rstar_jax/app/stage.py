@@ -141,7 +141,7 @@ def _stage_advance(config, stage_steps: list[int], optimizer_config,
                           f"{stage_steps[-1] / optimizer_config.total_steps:.4f}, or 'constant'")
     return StageAdvance(loss=config.sft.advance_loss, window=config.sft.advance_window,
                         after_step=optimizer_config.warmup_steps, exact=config.sft.advance_exact,
-                        every=config.sft.advance_every, probe=probe)
+                        every=config.sft.advance_every, probe=probe, consecutive=config.sft.advance_consecutive)
 
 
 @dataclasses.dataclass

@@ -631,6 +631,10 @@ def _check_values(check: Checker) -> None:
     check.positive_int("sft.advance_window")
     check.positive_int("sft.advance_every")
     check.positive_int("sft.advance_probe")
+    if check.positive_int("sft.advance_consecutive") and config.sft.advance_consecutive > 1:
+        check.require(bool(config.sft.advance_exact), "sft.advance_consecutive",
+                      f"counts measurements of sft.advance_exact in a row, but sft.advance_exact is 0: set it, or "
+                      f"set sft.advance_consecutive to 1 (got {config.sft.advance_consecutive})")
     for field in ("sft.advance_loss", "sft.advance_exact"):
         upper = 1.0 if field == "sft.advance_exact" else None
         if check.range(field, 0.0, upper) and check.value(field) and check.ok("sft.epochs"):

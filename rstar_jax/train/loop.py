@@ -44,7 +44,7 @@ class StageAdvance:
 
     - `exact`: every `every` steps, `probe(stage)` -> (reproduced, held out) counts the stage's
       held-out conversations that greedy decoding reproduces (`sft.greedy_reproduced`); the stage
-      ends once that share reaches `exact` (0: not used);
+      ends once that share reaches `exact` at `consecutive` measurements in a row (0: not used);
     - `loss`: the mean loss of its last `window` steps falls below `loss` (0: not used).
     """
 
@@ -54,21 +54,33 @@ class StageAdvance:
     exact: float = 0.0
     every: int = 25
     probe: Callable[[int], tuple[int, int]] | None = None
+    # A skill that has just formed can fall back under the same constant rate before it settles: one
+    # measurement at the threshold may catch it in passing (sft.advance_consecutive).
+    consecutive: int = 1
 
     def __post_init__(self):
         if self.exact and self.probe is None:
             raise ValueError("StageAdvance: exact needs a probe")
+        if self.consecutive < 1:
+            raise ValueError(f"StageAdvance: consecutive must be at least 1, got {self.consecutive}")
 
     def measures(self, step: int) -> bool:
         return bool(self.exact) and step >= self.after_step and step % self.every == 0
 
-    def reason(self, step: int, losses: Sequence[float], reproduced: tuple[int, int] | None) -> str:
-        """Why the stage ends after `step` ('' while it goes on)."""
+    def met(self, reproduced: tuple[int, int]) -> bool:
+        """Whether one measurement reaches `exact`."""
+        return bool(reproduced[1]) and reproduced[0] / reproduced[1] >= self.exact
+
+    def reason(self, step: int, losses: Sequence[float], reproduced: tuple[int, int] | None,
+               streak: int = 1) -> str:
+        """Why the stage ends after `step` ('' while it goes on); `streak`: the measurements in a row,
+        this one included, that reached `exact`."""
         if step < self.after_step:
             return ""
-        if reproduced is not None and reproduced[1] and reproduced[0] / reproduced[1] >= self.exact:
+        if reproduced is not None and self.met(reproduced) and streak >= self.consecutive:
+            in_a_row = f", {streak} measurements in a row" if self.consecutive > 1 else ""
             return (f"{reproduced[0]} of its {reproduced[1]} held-out conversations reproduced by greedy decoding "
-                    f"({reproduced[0] / reproduced[1]:.3f} >= sft.advance_exact {self.exact:g})")
+                    f"({reproduced[0] / reproduced[1]:.3f} >= sft.advance_exact {self.exact:g}{in_a_row})")
         if self.loss and len(losses) == self.window and sum(losses) / len(losses) < self.loss:
             return (f"its last {self.window} steps' mean loss {sum(losses) / len(losses):.4g} < sft.advance_loss "
                     f"{self.loss:g}")
@@ -102,6 +114,7 @@ def sft_loop(model, optimizer, batches: SftBatches, *, epochs: int, mesh: Mesh |
                 resumed = (resumed_state or {}) if step < start else {}
                 recent = collections.deque(resumed.get("stage_losses", []), maxlen=advance.window if can_advance else 1)
                 ended_by = resumed.get("stage_ended", "") if can_advance else ""
+                streak = int(resumed.get("stage_streak", 0)) if can_advance else 0
                 reproduced = None
                 for batch in stage_batches:
                     # Decided after a step and acted on before the next, so a run resumed at the
@@ -124,7 +137,8 @@ def sft_loop(model, optimizer, batches: SftBatches, *, epochs: int, mesh: Mesh |
                         if advance.measures(step):
                             reproduced = tuple(int(n) for n in advance.probe(stage))
                             last["sft/held_out_reproduced"] = reproduced[0] / max(reproduced[1], 1)
-                        ended_by = advance.reason(step, recent, reproduced)
+                            streak = streak + 1 if advance.met(reproduced) else 0
+                        ended_by = advance.reason(step, recent, reproduced, streak)
                         if not ended_by and step == stage_end:
                             shown = (f"{reproduced[0]} of its {reproduced[1]} held-out conversations reproduced by "
                                      f"greedy decoding when last measured" if reproduced else
@@ -134,6 +148,7 @@ def sft_loop(model, optimizer, batches: SftBatches, *, epochs: int, mesh: Mesh |
                     metrics.write(step, last)
                     if save is not None:
                         save(step, step == total, {"stage_losses": list(recent) if can_advance else [],
+                                                   **({"stage_streak": streak} if streak else {}),
                                                    **({"stage_ended": ended_by} if ended_by else {})})
                     if bar:
                         bar.update(step, loss=f"{last['sft/loss']:.3f}")

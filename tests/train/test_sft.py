@@ -288,3 +288,54 @@ def test_a_stage_ends_once_its_held_out_conversations_are_reproduced(capsys):
     assert [step for step, _ in never.lines] == list(range(1, 13))
     assert ("[sft] stage 1 took all its steps, to 8, no criterion met: 2 of its 4 held-out conversations reproduced "
             "by greedy decoding when last measured") in capsys.readouterr().out
+
+
+def test_a_stage_ends_once_its_held_out_conversations_are_reproduced_at_measurements_in_a_row(capsys):
+    """Under sft.advance_consecutive the threshold must hold at that many measurements in a row: one
+    at the threshold followed by one below it starts the count again (a skill caught in passing);
+    the count travels in the saves, so a run resumed in the middle of a streak ends where the
+    uninterrupted run did."""
+    import jax
+    import jax.numpy as jnp
+
+    from rstar_jax.train.loop import StageAdvance, sft_loop
+
+    shares = [4, 2, 4, 4, 4]  # of 4, at steps 1, 2, 3, 4, ...
+
+    def run(start=0, state=None, restored=None):
+        calls = []
+
+        def probe(stage):
+            calls.append(stage)
+            return shares[len(calls) - 1 + (start or 0)], 4
+
+        model, optimizer, batches = _advance_setup()
+        if restored is not None:
+            nnx.update(model, restored[0])
+            nnx.update(optimizer, restored[1])
+        saves, metrics = {}, _Records()
+
+        def save(step, final, saved_state):
+            saves[step] = (jax.tree.map(jnp.copy, nnx.state(model)), jax.tree.map(jnp.copy, nnx.state(optimizer)),
+                           saved_state)
+
+        sft_loop(model, optimizer, batches, epochs=1, mesh=None, chunk_size=256, metrics=metrics, save=save,
+                 progress=False, start=start, resumed_state=state,
+                 advance=StageAdvance(exact=1.0, every=1, after_step=1, probe=probe, consecutive=2))
+        return metrics, saves, calls
+
+    metrics, saves, calls = run()
+    assert [step for step, _ in metrics.lines] == [1, 2, 3, 4, 9, 10, 11, 12]
+    assert [r["sft/held_out_reproduced"] for _, r in metrics.lines if "sft/held_out_reproduced" in r] == \
+        [1.0, 0.5, 1.0, 1.0]
+    assert ("[sft] stage 1 ended at step 4 of 8: 4 of its 4 held-out conversations reproduced by greedy decoding "
+            "(1.000 >= sft.advance_exact 1, 2 measurements in a row)") in capsys.readouterr().out
+    assert [saves[step][2].get("stage_streak", 0) for step in (1, 2, 3)] == [1, 0, 1]
+
+    resumed, _, calls = run(start=3, state=saves[3][2], restored=saves[3][:2])
+    assert [step for step, _ in resumed.lines] == [4, 9, 10, 11, 12] and calls == [0]
+    assert "stage 1 ended at step 4 of 8" in capsys.readouterr().out
+
+    import pytest
+    with pytest.raises(ValueError, match="consecutive must be at least 1"):
+        StageAdvance(exact=1.0, probe=lambda stage: (1, 1), consecutive=0)
