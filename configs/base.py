@@ -366,7 +366,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.checkpoint.async_save = True
     c.checkpoint.export_hf_every = 0  # 0 = never; else every N steps (weights for SGLang servers)
     c.checkpoint.export_hf_final = True  # <run_dir>/hf/final at the end of the stage: the next stage's hf_path
-    # HF exports hold the tensors in this dtype ("" = model.param_dtype), the run's tokenizer files and
+    # HF exports hold the tensors in this dtype ("" = the precision the run trains in: the master's
+    # under optim.master_weights, else model.param_dtype), the run's tokenizer files and
     # a generation config that stops on the chat model's stop tokens: a whole checkpoint to serve.
     c.checkpoint.export_dtype = "bfloat16"
 

@@ -64,7 +64,7 @@ from rstar_jax.app.kv_pool import CONFIG_NAMES, kv_pool_tokens
 from rstar_jax.train.metrics import MetricsWriter
 from rstar_jax.train.rl_batch import row_length_for
 from rstar_jax.train.sft import SftBatches, SftSkips, sft_sequences
-from rstar_jax.train.step import with_master_weights
+from rstar_jax.train.step import master_dtype_of, with_master_weights
 from rstar_jax.train.weight_sync import DiskSync, DistributedSync, EngineSync, WeightSync
 from sandbox_service import selftest
 from sandbox_service.client import SandboxClient
@@ -391,13 +391,17 @@ def export_hf(config, model: Qwen3, tokenizer: Tokenizer, path: str | os.PathLik
     `tokenizer.path`, else `model.hf_path`) and a generation config stopping on the tokenizer's `stop_ids`, so
     the next stage, `evaluate`, transformers and SGLang can all start from the directory. With an
     `optimizer` that keeps master weights (`optim.master_weights`) the tensors are the master's, cast
-    to the export dtype (an fp32 export carries their full precision)."""
+    to the export dtype (an fp32 export carries their full precision); `export_dtype = ""` is then the
+    master's dtype, the precision the run trains in, so a stage that starts from the export continues
+    from the master rather than from its bf16 rounding."""
+    master = master_dtype_of(optimizer)
+    dtype = config.checkpoint.export_dtype or (jax.numpy.dtype(master).name if master is not None else None)
     model = with_master_weights(model, optimizer)
     source = config.tokenizer.path or config.model.hf_path
     tokenizer_dir = None
     if config.tokenizer.kind == "hf" and source:
         tokenizer_dir = pathlib.Path(source) if pathlib.Path(source).is_dir() else pathlib.Path(source).parent
-    return save_pretrained(model, path, dtype=config.checkpoint.export_dtype or None, tokenizer_dir=tokenizer_dir,
+    return save_pretrained(model, path, dtype=dtype, tokenizer_dir=tokenizer_dir,
                            stop_token_ids=tokenizer.stop_ids)
 
 

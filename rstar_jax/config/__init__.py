@@ -631,10 +631,7 @@ def _check_values(check: Checker) -> None:
     check.positive_int("sft.advance_window")
     check.positive_int("sft.advance_every")
     check.positive_int("sft.advance_probe")
-    if check.positive_int("sft.advance_consecutive") and config.sft.advance_consecutive > 1:
-        check.require(bool(config.sft.advance_exact), "sft.advance_consecutive",
-                      f"counts measurements of sft.advance_exact in a row, but sft.advance_exact is 0: set it, or "
-                      f"set sft.advance_consecutive to 1 (got {config.sft.advance_consecutive})")
+    check.positive_int("sft.advance_consecutive")  # like advance_every and advance_probe: inert without advance_exact
     for field in ("sft.advance_loss", "sft.advance_exact"):
         upper = 1.0 if field == "sft.advance_exact" else None
         if check.range(field, 0.0, upper) and check.value(field) and check.ok("sft.epochs"):
@@ -704,7 +701,8 @@ def _check_values(check: Checker) -> None:
                       f"must be in [0.0, {MAX_SECONDS}] (0: no limit), got {timeout!r}")
     every_ok = check.positive_int("checkpoint.every_steps")
     check.require(config.checkpoint.export_dtype in ("", *DTYPE_NAMES), "checkpoint.export_dtype",
-                  f"must be '' (the model's param_dtype) or one of {DTYPE_NAMES}, got {config.checkpoint.export_dtype!r}")
+                  f"must be '' (the precision the run trains in: optim.master_weights, else model.param_dtype) "
+                  f"or one of {DTYPE_NAMES}, got {config.checkpoint.export_dtype!r}")
     _check_weight_sync(check)
     check.positive_int("checkpoint.max_to_keep")
     if check.positive_int("checkpoint.export_hf_every", allow_zero=True) and every_ok:

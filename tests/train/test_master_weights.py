@@ -288,8 +288,9 @@ def test_config_names_the_field_and_reaches_both_optimizers():
 @pytest.mark.slow  # the launcher in a subprocess
 def test_an_sft_run_with_a_master_exports_it_and_its_checkpoint_holds_it(tmp_path):
     """`python -m rstar_jax.launch` in SFT mode with bf16 parameters and optim.master_weights=float32:
-    the final fp32 HF export is the master of the final checkpoint, value for value (values bf16
-    cannot hold), and the checkpoint's parameters are that master rounded to bf16."""
+    the final HF export, at checkpoint.export_dtype "" (the precision the run trains in), is fp32 and
+    the master of the final checkpoint, value for value (values bf16 cannot hold), and the
+    checkpoint's parameters are that master rounded to bf16."""
     import subprocess
     import sys
 
@@ -301,7 +302,7 @@ def test_an_sft_run_with_a_master_exports_it_and_its_checkpoint_holds_it(tmp_pat
     command = [sys.executable, "-m", "rstar_jax.launch", f"--config.run_dir={run}", "--config.mode=sft",
                "--config.metrics.progress_bar=false", *TINY_TEST_SFT, "--config.sft.epochs=1",
                "--config.data.synthetic.sft_stages=((16,(0,1,0)),)", "--config.checkpoint.every_steps=4",
-               "--config.checkpoint.export_hf_every=0", "--config.checkpoint.export_dtype=float32",
+               "--config.checkpoint.export_hf_every=0", "--config.checkpoint.export_dtype=",
                "--config.model.param_dtype=bfloat16", "--config.optim.master_weights=float32"]
     result = subprocess.run(command, cwd=tmp_path, env={**os.environ, "XLA_FLAGS": xla_flags()},
                             capture_output=True, text=True, timeout=600)
