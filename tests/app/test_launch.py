@@ -222,8 +222,9 @@ def test_rl_on_two_serve_servers_behind_the_kv_scheduler(tmp_path, tiny_run_dir)
 def test_the_warm_ups_first_stage_ends_when_its_held_out_conversations_are_reproduced(tmp_path):
     """sft.advance_exact through the launcher: the first stage's last sft.advance_probe conversations
     are held out (its steps count the rest), measured every sft.advance_every steps, and the stage
-    ends right after the first measurement at the threshold (every earlier one was below it); the
-    run says which criterion ended it and at which step; the second stage then takes its steps."""
+    ends right after the first sft.advance_consecutive measurements in a row at the threshold (3,
+    configs/tiny.py's); the run says which criterion ended it and at which step; the second stage
+    then takes its steps."""
     import json
 
     def conversations(path, n, reply):
@@ -244,9 +245,11 @@ def test_the_warm_ups_first_stage_ends_when_its_held_out_conversations_are_repro
     measured = [(r["step"], r["sft/held_out_reproduced"]) for r in lines if "sft/held_out_reproduced" in r]
     stage_1 = [r["step"] for r in lines if r.get("sft/stage") == 1]
     end = stage_1[-1]
-    assert measured and measured[-1] == (end, 1.0), measured  # it ended at the first measurement at 1.0
-    assert [step for step, _ in measured] == list(range(3, end + 1, 3)) and all(v < 1.0 for _, v in measured[:-1])
+    shares = [v for _, v in measured]
+    assert measured and measured[-1][0] == end and shares[-3:] == [1.0] * 3, measured  # three in a row ended it
+    assert not any(shares[i:i + 3] == [1.0] * 3 for i in range(len(shares) - 3)), measured  # and no earlier three
+    assert [step for step, _ in measured] == list(range(3, end + 1, 3))
     assert end < (200 - 8) // 4 == 48  # the stage's planned steps: its conversations less the 8 held out
     assert (f"[sft] stage 1 ended at step {end} of 48: 8 of its 8 held-out conversations reproduced by greedy "
-            f"decoding (1.000 >= sft.advance_exact 1)") in result.stdout
+            f"decoding (1.000 >= sft.advance_exact 1, 3 measurements in a row)") in result.stdout
     assert [r["step"] for r in lines if r.get("sft/stage") == 2] == [49, 50, 51, 52]
