@@ -26,7 +26,7 @@ turn (the `bare` template: every prompt byte is compute) learns this in a two-st
    formed after 1,800 to 3,000 conversations in every probe, and the stage ended at steps 150 to
    500 in 25 runs of the default at the first measurement: seeds 0 to 4 under five kinds of
    arithmetic (benchmarks/default_run_spread.py; benchmarks/RESULTS.md, "The default run on every
-   machine"); at three in a row, at 250 to 500 in nine of ten runs on the AVX2-only EPYC and at 875
+   machine"); at three in a row, at 225 to 500 in 14 of 15 runs on the AVX2-only EPYC and at 875
    in one whose copy formed late ("The default run on an AVX2-only EPYC"). The criterion
    is what RL needs, not a loss threshold: after the copy forms, the loss at this rate hovers at
    0.001 to 0.006, so a threshold of 0.002 ended some stages late or never. The copy needs unique
@@ -51,15 +51,15 @@ at one distance from the fix, is built for that). This stage also breaks part of
 on every seed and with every mixture and smaller rate tried: 26% to 86% of the held-out tool calls
 at step 0 miscopy the factors. 7% to 34% of held-out problems are solved at step 0; 20 GRPO-RoC
 steps turn the policy to the tool and repair the copies from the reward: held-out pass@1 ends at
-0.902 to 1.000 in ten runs on a 2-core AVX2-only EPYC (seeds 0 to 4, both cores and one), where
-the first stage's old end at the first measurement ended seed 0 at 0.812; before the three
-measurements in a row, 25 runs on an AVX-512 EPYC ended at 0.969 to 1.000.
+0.902 to 1.000 in 15 runs on a 2-core AVX2-only EPYC (seeds 0 to 4: both cores, one, fusion
+emitters off), where the first stage's old end at the first measurement ended seed 0 at 0.812;
+before the three measurements in a row, 25 runs on an AVX-512 EPYC ended at 0.969 to 1.000.
 
 Held-out problems are drawn from their own seed and never appear among the RL or SFT problems.
 `train.eval_every` evaluates them (128 problems, 2 samples each) at steps 0, 10 and 20, with the same
 agentic loop as `python -m rstar_jax.evaluate`. Rollouts run on the in-process JaxEngine against a
 local sandbox server, which the launcher starts and stops. The run takes under 10 minutes on 2
-cores: 2 to 4.2 on a 2-core AMD EPYC with AVX-512, 4.5 to 6 on an AVX2-only one (7.7 to 12 pinned
+cores: 2 to 4.2 on a 2-core AMD EPYC with AVX-512, 3.7 to 6 on an AVX2-only one (7.7 to 12 pinned
 to one of its cores).
 """
 
