@@ -265,3 +265,45 @@ def test_inject_timeout_rate_out_of_range_is_refused():
 
     with pytest.raises(SystemExit):
         parse_args(["--port", "0", "--inject-timeout-rate", "1.0"])
+
+
+class _RecordingServicer(pb2_grpc.SandboxServicer):
+    """Answers every call at once and records which RPC carried how many calls."""
+
+    def __init__(self):
+        self.rpcs: list[tuple[str, int]] = []
+
+    @staticmethod
+    def _answer(req):
+        return pb2.ExecuteResult(request_id=req.request_id, status=status.OK, stdout=req.code.encode())
+
+    async def Execute(self, request, context):
+        self.rpcs.append(("Execute", 1))
+        return self._answer(request)
+
+    async def ExecuteBatch(self, request, context):
+        self.rpcs.append(("ExecuteBatch", len(request.requests)))
+        for req in request.requests:
+            yield self._answer(req)
+
+
+def test_a_lone_call_goes_unary_and_queued_calls_share_one_stream():
+    servicer = _RecordingServicer()
+
+    async def go():
+        server = grpc.aio.server()
+        pb2_grpc.add_SandboxServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with SandboxClient(f"127.0.0.1:{port}", batch_size=8, batch_wait_ms=50) as client:
+                lone = await client.execute("a")
+                several = await client.execute_many(["b", "c", "d"])
+            return lone, several
+        finally:
+            await server.stop(None)
+
+    lone, several = asyncio.run(go())
+    assert (lone.stdout, lone.attempts) == ("a", 1)
+    assert [r.stdout for r in several] == ["b", "c", "d"]
+    assert servicer.rpcs == [("Execute", 1), ("ExecuteBatch", 3)]
