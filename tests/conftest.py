@@ -180,8 +180,10 @@ def qwen3_tokenizer_dir() -> pathlib.Path:
 # warmed-up policy guesses some right, so its rollout groups are mixed and every RL step has a
 # signal) and a short held-out set, evaluated only where a test asks for it. Runs that start from the
 # tiny run's warm-up export take these too, so the policy meets the problems it was warmed up on.
+# One sandbox worker (configs/tiny.py: two) is plenty for these few calls and starts in about half
+# the CPU time: each of the suite's RL launches starts its own sandbox.
 TINY_TEST_TASK = ("--config.data.synthetic.kinds=('last_digit_power',)", "--config.data.synthetic.num_eval=16",
-                  "--config.train.eval_every=0")
+                  "--config.train.eval_every=0", "--config.sandbox.workers=1")
 # Short warm-ups for tests: four conversations per step and no held-out measurement. Their stages (a
 # few hundred conversations at most) end long before the copy of configs/tiny.py's first stage
 # forms, so sft.advance_exact would only take 64 conversations from them, and four per step gives

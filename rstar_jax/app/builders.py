@@ -268,7 +268,7 @@ def _synthetic(config) -> tuple[pathlib.Path, dict]:
 def prepare_data(config) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(RL problem files, SFT conversation files, trained in order): generated into `<run_dir>/data`
     for a synthetic config (tool results as the run's tool environment reports them and the rollout
-    loop renders them), else the configured files."""
+    loop renders them; conversations only where the run trains on them), else the configured files."""
     if not config.data.synthetic.enabled:
         return tuple(config.data.train_files), tuple(config.sft.train_files)
     r, syn, env = config.rollout, config.data.synthetic, resolve.tool_env(config)
@@ -280,8 +280,10 @@ def prepare_data(config) -> tuple[tuple[str, ...], tuple[str, ...]]:
         return format_observation(result, style=env.observation_style, max_chars=env.observation_max_chars)
 
     out, kw = _synthetic(config)
+    # An RL stage without a warm-up reads no conversations: generating and solving them costs seconds.
+    sft_runs = config.mode == "sft" or (config.mode == "rl" and config.sft.before_rl)
     files = prepare_synthetic_data(out, num_train=syn.num_train,
-                                   sft_stages=tuple((n, tuple(mix)) for n, mix in syn.sft_stages),
+                                   sft_stages=tuple((n, tuple(mix)) for n, mix in syn.sft_stages) if sft_runs else (),
                                    tool_name=r.tool_name, format_observation=observation,
                                    error_format=env.error_format, fix_bug=syn.fix_bug, **kw)
     return (str(files.train),), tuple(map(str, files.sft))

@@ -319,3 +319,10 @@ def test_prepare_synthetic_data_from_the_tiny_config(tmp_path):
     assert config.rollout.tool_name in stages[0][0].messages[1].content
     first = pathlib.Path(train_file).read_bytes()
     assert pathlib.Path(builders.prepare_data(config)[0][0]).read_bytes() == first  # deterministic on resume
+
+    # An RL stage without a warm-up gets the same problems and no conversations (none written).
+    config.sft.before_rl = False
+    config.run_dir = str(tmp_path / "rl_only")
+    (rl_train_file,), rl_sft_files = builders.prepare_data(config)
+    assert pathlib.Path(rl_train_file).read_bytes() == first and rl_sft_files == ()
+    assert not list((tmp_path / "rl_only" / "data").glob("sft_*"))
