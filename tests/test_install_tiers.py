@@ -22,6 +22,8 @@ from tests.readme_blocks import LOSS_SECTION, driver, python_blocks
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 BASE = {"jax", "flax", "optax", "numpy"}
+# Bounds on packages the base already brings (jax requires ml_dtypes): they add no package.
+CONSTRAINED = {"ml-dtypes"}
 # Packages of the extras that must not come with the base (orbax-checkpoint does: flax requires it).
 NOT_IN_BASE = ("grain", "transformers", "aiohttp", "grpc", "ml_collections", "tokenizers", "math_verify",
                "pyarrow", "tensorboardX", "torch", "jinja2")
@@ -37,7 +39,9 @@ def _canonical(name: str) -> str:
 
 def test_base_dependencies_are_jax_flax_optax_numpy_and_the_extras_add_the_rest():
     project = _project()
-    assert {_canonical(Requirement(r).name) for r in project["dependencies"]} == BASE
+    assert {_canonical(Requirement(r).name) for r in project["dependencies"]} == BASE | CONSTRAINED
+    jax_requires = {_canonical(Requirement(r).name) for r in importlib.metadata.requires("jax") or []}
+    assert CONSTRAINED <= jax_requires, jax_requires
     extras = project["optional-dependencies"]
     assert {"train", "serve", "sandbox", "distributed-sync", "dev"} <= set(extras)
     dev = {Requirement(r) for r in extras["dev"]}
